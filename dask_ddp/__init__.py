@@ -1,0 +1,31 @@
+"""dask-ddp: PyTorch DistributedDataParallel on any Dask cluster, in one call from a notebook.
+
+>>> job = dask_ddp.dispatch.run(client, train, 3, lr=0.1)   # doctest: +SKIP
+>>> job.result()                                            # doctest: +SKIP
+"""
+
+from . import config  # noqa: F401 - loads ddp.yaml into dask.config
+from . import dispatch
+from .context import Context, all_reduce_mean, get_context, rank_zero_first, seed_everything
+from .errors import (
+    ClientClosedError,
+    DaskDDPError,
+    JobCancelledError,
+    NotInRankError,
+    PlanError,
+    RankFailedError,
+    RendezvousError,
+    SerializationError,
+    StallError,
+    WorkerLostError,
+)
+from .job import Job
+from .reporting import report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "dispatch", "Job", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
+    "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
+    "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
+]

@@ -1,0 +1,405 @@
+"""Checkpoints on any fsspec URL (a local path, ``file://``, ``s3://``, ``memory://``, ...).
+
+A checkpoint directory is one flat folder::
+
+    step-000000100.pt                     payload: torch.save of the state, written in one piece
+    step-000000100.done                   commit marker (small JSON), written after the payload
+    step-000000100.rank-00001-of-00004.pt / .done      the same, per rank, with all_ranks=True
+
+A checkpoint counts only once its marker exists (with ``all_ranks=True``: once
+the markers of all its ranks exist), so a reader never sees half of one. On S3
+there is no rename, but an object appears whole when its PUT (or multipart
+upload) completes; on local disk each file goes to a temporary name in the same
+folder, is fsynced and ``os.replace``-d. A crash before the marker leaves the
+previous checkpoint the latest. Steps are zero-padded for people and parsed,
+never string-sorted, by the code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import re
+import time
+import uuid
+from typing import NamedTuple
+
+from . import context as _context
+from .errors import DaskDDPError, NotInRankError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
+           "rng_state", "set_rng_state", "Checkpoint", "CheckpointError"]
+
+_NAME = re.compile(r"^step-(\d+)(?:\.rank-(\d+)-of-(\d+))?\.(pt|done)$")
+
+
+class CheckpointError(DaskDDPError, ValueError):
+    """A checkpoint exists but cannot be loaded (truncated, corrupt, or refused by ``weights_only``).
+
+    ``url`` names the payload; ``unsafe_globals`` lists the types ``weights_only=True`` refused.
+    """
+
+    def __init__(self, message: str, *, url: str = "", unsafe_globals=(), **kw):
+        super().__init__(message, **kw)
+        self.url = url
+        self.unsafe_globals = list(unsafe_globals)
+
+
+class Checkpoint(NamedTuple):
+    """A complete checkpoint: its step and the URL of its payload."""
+
+    step: int
+    url: str
+
+
+class _Where(NamedTuple):
+    fs: object
+    root: str  # path inside fs, no trailing slash
+    url: str  # the directory as the user wrote it, userinfo removed, no trailing slash
+    rank: int
+    world_size: int
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+
+def _name(step: int, rank: int | None, world_size: int | None, kind: str) -> str:
+    who = "" if rank is None else f".rank-{rank:05d}-of-{world_size:05d}"
+    return f"step-{step:09d}{who}.{kind}"
+
+
+def _redact(url: str) -> str:
+    # "s3://key:secret@bucket/x" -> "s3://bucket/x": credentials never reach a message
+    return re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1", url)
+
+
+def _where(directory, storage_options) -> _Where:
+    import fsspec
+
+    ctx = _context._CONTEXT
+    if directory is None:
+        if ctx is None:
+            raise NotInRankError("no checkpoint directory: pass directory=... (any fsspec URL), or call "
+                                 "this inside a dask-ddp rank started with run(..., checkpoint_dir=...)")
+        if ctx.checkpoint_dir is None:
+            raise ValueError("no checkpoint directory: this job was started without "
+                             "run(..., checkpoint_dir=...); pass directory=... to this call")
+        directory = ctx.checkpoint_dir
+    directory = os.fspath(directory)
+    if storage_options is None:
+        storage_options = (ctx.extra.get("storage_options") if ctx is not None else None) or {}
+    fs, root = fsspec.core.url_to_fs(directory, **storage_options)
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
+    return _Where(fs, root.rstrip("/"), _redact(directory).rstrip("/"), rank, world)
+
+
+def _credential_errors() -> tuple:
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+    except ImportError:
+        return ()
+    return NoCredentialsError, PartialCredentialsError
+
+
+@contextlib.contextmanager
+def _storage_errors(url: str):
+    """Turn backend access errors into PermissionError naming the URL (never the credentials)."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise PermissionError(f"access denied to {url}: check the credentials and endpoint in "
+                              "storage_options (or the rank's environment) and the bucket's policy") from exc
+    except _credential_errors() as exc:
+        raise PermissionError(f"no credentials to access {url}: pass them in storage_options "
+                              "(e.g. key=/secret= for s3) or set them in the workers' environment") from exc
+
+
+def _put(where: _Where, name: str, data: bytes) -> None:
+    from fsspec.implementations.local import LocalFileSystem
+
+    with _storage_errors(where.url_of(name)):
+        if isinstance(where.fs, LocalFileSystem):
+            _local_atomic_write(where.path(name), data)
+        else:  # one PUT (or multipart upload): the object appears whole or not at all
+            where.fs.pipe_file(where.path(name), data)
+
+
+def _local_atomic_write(path: str, data: bytes) -> None:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable; not possible on every OS
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _names(where: _Where) -> list[str]:
+    with _storage_errors(where.url):
+        where.fs.invalidate_cache(where.root)  # s3fs caches listings; other writers change them
+        try:
+            entries = where.fs.ls(where.root, detail=False)
+        except FileNotFoundError:
+            return []
+    return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+
+def _complete(names: list[str], all_ranks: bool) -> dict[int, int | None]:
+    """Map each complete step to its world size (None for shared checkpoints)."""
+    ranks: dict[tuple[int, int | None], set[int]] = {}
+    for name in names:
+        m = _NAME.match(name)
+        if m and m[4] == "done" and (m[2] is not None) == all_ranks:
+            world = int(m[3]) if all_ranks else None
+            ranks.setdefault((int(m[1]), world), set()).add(int(m[2] or 0))
+    complete = {}
+    for step, world in sorted(ranks):
+        if world is None or ranks[step, world] == set(range(world)):
+            complete[step] = world
+    return complete
+
+
+def _prune(where: _Where, keep: int, all_ranks: bool) -> None:
+    names = _names(where)
+    steps = sorted(_complete(names, all_ranks))
+    if len(steps) < keep:
+        return
+    # everything older than the keep-th newest complete step goes, crash leftovers included;
+    # with all_ranks each rank removes only its own files, so it lags the others by a step
+    cutoff = steps[-keep]
+    mine = [n for n in names if (m := _NAME.match(n)) and int(m[1]) < cutoff
+            and (m[2] is not None) == all_ranks and (not all_ranks or int(m[2]) == where.rank)]
+    with _storage_errors(where.url), contextlib.suppress(FileNotFoundError):
+        for kind in (".done", ".pt"):  # markers first: a step stops counting before its payload goes
+            doomed = [where.path(n) for n in mine if n.endswith(kind)]
+            if doomed:
+                where.fs.rm(doomed)
+
+
+def save_checkpoint(state: dict, step: int, *, directory: str | None = None, keep: int | None = None,
+                    all_ranks: bool = False, storage_options: dict | None = None) -> str | None:
+    """Write ``state`` as the checkpoint of ``step``, atomically; return its URL.
+
+    Only rank 0 writes (other ranks return None at once, with no barrier, so
+    calling it on every rank or on rank 0 alone both work) unless
+    ``all_ranks=True``, when each rank writes its own file and a step counts
+    once every rank has written it. The state is serialised with
+    ``torch.save`` in memory, then written in one piece, then committed by a
+    small ``.done`` marker; readers ignore steps without one. Keep it
+    loadable with ``weights_only=True``: state_dicts, tensors, numbers,
+    strings, lists, dicts, and :func:`rng_state` for RNG states.
+
+    Parameters
+    ----------
+    state : dict to save, e.g. ``{"model": m.state_dict(), "optim": o.state_dict(), "epoch": 3}``.
+    step : int >= 0; a step saved again replaces the earlier one.
+    directory : fsspec URL; defaults to the job's ``checkpoint_dir`` inside a
+        rank. Outside a rank the caller counts as rank 0 of 1.
+    keep : after a successful write, delete all but the newest ``keep`` complete
+        checkpoints (and older leftovers of crashed writes); None keeps all.
+    all_ranks : one file per rank, named ``...rank-RRRRR-of-WWWWW.pt``.
+    storage_options : fsspec options (s3: ``key``, ``secret``, ``client_kwargs``);
+        default: the context's ``extra["storage_options"]``, else none.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad ``state``, ``step`` or ``keep``; ValueError also when no directory is
+        known inside a rank.
+    NotInRankError
+        Outside a rank without ``directory``.
+    PermissionError
+        Missing or refused credentials; the message names the URL.
+    FileNotFoundError
+        The bucket does not exist.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"save_checkpoint(state=...) takes a dict, got {type(state).__name__}")
+    _check_int("step", step, 0)
+    if keep is not None:
+        _check_int("keep", keep, 1)
+    where = _where(directory, storage_options)
+    if not all_ranks and where.rank != 0:
+        return None
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # may raise half-way: nothing has been written yet
+    data = buffer.getvalue()
+    rank, world = (where.rank, where.world_size) if all_ranks else (None, None)
+    payload = _name(step, rank, world, "pt")
+    _put(where, payload, data)
+    marker = {"format": 1, "step": step, "file": payload, "bytes": len(data), "rank": rank,
+              "world_size": world, "time": time.time()}
+    _put(where, _name(step, rank, world, "done"), json.dumps(marker).encode())
+    if keep is not None:
+        _prune(where, keep, all_ranks)
+    return where.url_of(payload)
+
+
+def _check_int(what: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{what} must be >= {low}, got {value}")
+
+
+def _entries(where: _Where, all_ranks: bool) -> list[tuple[int, str]]:
+    complete = _complete(_names(where), all_ranks)
+    rank = where.rank if all_ranks else None
+    return [(step, _name(step, rank, world, "pt")) for step, world in sorted(complete.items())
+            if world is None or rank < world]
+
+
+def list_checkpoints(directory: str | None = None, *, all_ranks: bool = False,
+                     storage_options: dict | None = None) -> list[Checkpoint]:
+    """Return the complete checkpoints in ``directory``, oldest first (empty if none or no folder).
+
+    With ``all_ranks=True``, the URLs are this rank's files of the steps every rank completed.
+    Arguments and errors as in :func:`save_checkpoint`.
+    """
+    where = _where(directory, storage_options)
+    return [Checkpoint(step, where.url_of(name)) for step, name in _entries(where, all_ranks)]
+
+
+def latest_checkpoint(directory: str | None = None, *, all_ranks: bool = False,
+                      storage_options: dict | None = None) -> str | None:
+    """Return the URL of the newest complete checkpoint, or None. Errors as in :func:`save_checkpoint`."""
+    found = list_checkpoints(directory, all_ranks=all_ranks, storage_options=storage_options)
+    return found[-1].url if found else None
+
+
+def load_checkpoint(directory: str | None = None, *, step: int | None = None, map_location="cpu",
+                    weights_only: bool = True, all_ranks: bool = False,
+                    storage_options: dict | None = None) -> dict | None:
+    """Load the newest complete checkpoint (or the one of ``step``); None when there is none.
+
+    Every rank may call it. ``weights_only=True`` (torch's safe loader) is the
+    default; ``weights_only=False`` unpickles arbitrary objects, which can run
+    code: pass it only for files you trust. Other arguments as in
+    :func:`save_checkpoint`.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``step`` was given and has no complete checkpoint (the message lists those there are).
+    CheckpointError
+        The payload cannot be loaded: corrupt or truncated, or it holds types
+        ``weights_only=True`` refuses (they are named in the message).
+    PermissionError, NotInRankError, ValueError
+        As in :func:`save_checkpoint`.
+    """
+    where = _where(directory, storage_options)
+    for attempt in range(3):
+        entries = dict(_entries(where, all_ranks))
+        if step is not None and step not in entries:
+            raise FileNotFoundError(f"no complete checkpoint of step {step} in {where.url}; "
+                                    f"complete steps: {sorted(entries) or 'none'}")
+        if not entries:
+            return None
+        name = entries[step if step is not None else max(entries)]
+        try:
+            with _storage_errors(where.url_of(name)):
+                data = where.fs.cat_file(where.path(name))
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+            continue  # pruned by a writer between listing and reading: list again
+        return _deserialize(data, where.url_of(name), map_location, weights_only)
+
+
+def _deserialize(data: bytes, url: str, map_location, weights_only: bool) -> dict:
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    except Exception as exc:
+        unsafe = _unsafe_globals(data) if weights_only and isinstance(exc, pickle.UnpicklingError) else []
+        if unsafe:
+            raise CheckpointError(
+                f"checkpoint {url} holds objects that weights_only=True refuses to load: "
+                f"{', '.join(unsafe)}. Save plain state instead (state_dict(), tensors, numbers, lists, "
+                "dicts; rng_state() for RNG states), allow these types with "
+                "torch.serialization.add_safe_globals([...]), or, only for files you trust, pass "
+                "weights_only=False: an explicit opt-out, since unpickling can run arbitrary code",
+                url=url, unsafe_globals=unsafe) from exc
+        raise CheckpointError(
+            f"cannot load checkpoint {url} ({len(data)} bytes): {type(exc).__name__}: {exc}. If it is "
+            "corrupt or truncated, delete it and its .done marker (the previous checkpoint becomes the "
+            "latest) or load an earlier one with step=...", url=url) from exc
+
+
+def _unsafe_globals(data: bytes) -> list[str]:
+    import torch
+
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    except Exception:  # not a readable torch checkpoint: reported as corrupt instead
+        return []
+
+
+def rng_state() -> dict:
+    """Return Python's, NumPy's (legacy global) and torch's RNG states (and CUDA's, once initialised).
+
+    The result holds only tensors, numbers, strings and lists, so it saves
+    into a checkpoint that ``weights_only=True`` loads. Restore it with
+    :func:`set_rng_state`.
+    """
+    import torch
+
+    version, internal, gauss = random.getstate()
+    state = {"python": {"version": version, "state": list(internal), "gauss": gauss},
+             "torch": torch.get_rng_state()}
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        kind, key, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's, i.e. this rank's GPU
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore RNG states made by :func:`rng_state`; parts not in ``state`` are left alone.
+
+    Raises
+    ------
+    TypeError
+        If ``state`` is not such a dict.
+    """
+    import torch
+
+    if not isinstance(state, dict) or not {"python", "torch"} <= state.keys():
+        raise TypeError("set_rng_state takes the dict made by dask_ddp.checkpoint.rng_state()")
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,481 @@
+"""``S3ImageFolder``: torchvision's ``ImageFolder`` over any fsspec URL (``s3://``, ``file://``, ``memory://``).
+
+The bucket is listed once, at construction. The listing (a :class:`FolderIndex`)
+and the samples derived from it travel inside the pickled dataset, so ranks and
+DataLoader workers never list again. Each process opens its own filesystem
+lazily (keyed by pid: s3fs instances are not fork-safe), so ``fork``, ``spawn``
+and ``forkserver`` DataLoader workers all work. A DataLoader batch is fetched
+with concurrent GETs (:meth:`S3ImageFolder.__getitems__`), optionally through a
+local on-disk cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib
+import inspect
+import io
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import fsspec
+from fsspec.asyn import sync
+from PIL import Image, UnidentifiedImageError
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import has_file_allowed_extension
+
+__all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+class ImageDecodeError(UnidentifiedImageError):
+    """An object's bytes could not be decoded by the loader; the message names its URL.
+
+    A subclass of ``PIL.UnidentifiedImageError`` (itself an ``OSError``), so
+    existing ``except OSError`` handlers keep working.
+    """
+
+
+def pil_loader(f: io.BufferedIOBase) -> Image.Image:
+    """Decode an image from a binary file-like object with PIL, as RGB (torchvision's ``pil_loader``).
+
+    Raises
+    ------
+    PIL.UnidentifiedImageError, OSError
+        The bytes are not a (complete) image. :class:`S3ImageFolder` re-raises
+        these as :class:`ImageDecodeError` naming the URL.
+    """
+    img = Image.open(f)
+    return img.convert("RGB")
+
+
+class _Options(dict):
+    """``storage_options`` whose repr hides the values (credentials live there)."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class FolderIndex:
+    """The one listing of a folder tree: everything :class:`S3ImageFolder` needs, no I/O.
+
+    Attributes
+    ----------
+    root : str
+        The normalized root URL (no trailing ``/``), as in ``S3ImageFolder.root``.
+    files : tuple of (str, int)
+        ``(relative path, size in bytes)`` of every file under the root, in
+        torchvision's walk order (by directory path, then file name).
+    dirs : tuple of str
+        Relative paths of every directory under the root, sorted.
+    """
+
+    root: str
+    files: tuple[tuple[str, int], ...]
+    dirs: tuple[str, ...]
+
+
+def _normalize_root(root: str | os.PathLike) -> str:
+    root = os.fspath(root)
+    if "://" not in root:
+        root = os.path.expanduser(root)
+    stripped = root.rstrip("/")
+    return stripped if stripped and not stripped.endswith(":") else root
+
+
+def _open_fs(root: str, storage_options: Mapping[str, Any]) -> fsspec.AbstractFileSystem:
+    """A fresh filesystem (never fsspec's shared instance) with a connection pool sized for batches."""
+    protocol = fsspec.core.split_protocol(root)[0] or "file"
+    opts = dict(storage_options)
+    if protocol in ("s3", "s3a"):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", 64)
+        opts["config_kwargs"] = config
+    return fsspec.get_filesystem_class(protocol)(skip_instance_cache=True, **opts)
+
+
+@functools.cache
+def _error_types(kind: str) -> tuple[type[BaseException], ...]:
+    """Backend exception types by kind ('transient' or 'denied'), for the backends that are installed."""
+    names = {
+        "transient": [("botocore.exceptions", "ConnectionError"), ("botocore.exceptions", "HTTPClientError"),
+                      ("aiohttp", "ClientError")],
+        "denied": [("botocore.exceptions", "NoCredentialsError")],
+    }[kind]
+    found: list[type[BaseException]] = [OSError] if kind == "transient" else [PermissionError]
+    for module, name in names:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+def _as_builtin(err: BaseException, url: str, doing: str) -> BaseException | None:
+    """The builtin error a user can act on for a backend error, or None when there is none."""
+    if isinstance(err, FileNotFoundError):
+        return FileNotFoundError(f"{url} does not exist (no such bucket, prefix, folder or object) while {doing}")
+    if isinstance(err, _error_types("denied")):
+        return PermissionError(
+            f"access to {url} was denied while {doing} ({type(err).__name__}); check the credentials "
+            "given in storage_options or the environment, or pass storage_options={'anon': True}"
+        )
+    return None
+
+
+def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FolderIndex:
+    """List a folder tree once and return its :class:`FolderIndex` (reusable with ``S3ImageFolder(index=...)``).
+
+    On S3 this is one ``ListObjectsV2`` request per 1,000 keys, whatever the depth.
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        Any fsspec URL (``s3://bucket/prefix``, ``memory://x``, ``file:///x``) or a local path.
+    storage_options : mapping, optional
+        Passed to the fsspec filesystem (``anon``, ``key``/``secret``, ``client_kwargs``, ...).
+
+    Raises
+    ------
+    FileNotFoundError
+        No such bucket, prefix or folder; the message names the URL.
+    NotADirectoryError
+        ``root`` is a file.
+    PermissionError
+        The credentials were refused or missing; the message names the URL, never the secret.
+    """
+    url = _normalize_root(root)
+    fs = _open_fs(url, storage_options or {})
+    fs_root = fs._strip_protocol(url).rstrip("/") or "/"
+    try:
+        found = fs.find(fs_root, withdirs=True, detail=True)
+    except Exception as err:
+        builtin = _as_builtin(err, url, "listing it")
+        if builtin is None:
+            raise
+        raise builtin from err
+    prefix = fs_root if fs_root.endswith("/") else fs_root + "/"
+    files, dirs = [], set()
+    for name, info in found.items():
+        if name.rstrip("/") == fs_root.rstrip("/"):
+            if info["type"] != "directory" and not name.endswith("/"):
+                raise NotADirectoryError(f"{url} is a file, not a folder of class folders")
+            continue
+        rel = name[len(prefix):] if name.startswith(prefix) else name
+        if info["type"] == "directory" or name.endswith("/"):
+            dirs.add(rel.rstrip("/"))
+        else:
+            files.append((rel, int(info.get("size") or 0)))
+            parts = rel.split("/")[:-1]
+            dirs.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    if not found and not fs.isdir(fs_root):
+        raise FileNotFoundError(f"{url} does not exist (no such bucket, prefix or folder)")
+    files.sort(key=lambda f: tuple(f[0].rpartition("/")[::2]))  # os.walk order: directory, then name
+    return FolderIndex(url, tuple(files), tuple(sorted(dirs)))
+
+
+async def _gather_cat(fs, paths: Sequence[str], kwargs: dict) -> list:
+    return await asyncio.gather(*(fs._cat_file(p, **kwargs) for p in paths), return_exceptions=True)
+
+
+class S3ImageFolder(ImageFolder):
+    """torchvision's ``ImageFolder`` for ``root/<class>/**/<image>`` at any fsspec URL.
+
+    Same semantics as ``torchvision.datasets.ImageFolder``: ``classes`` are the
+    sorted immediate sub-folders of ``root`` (files directly under it are
+    ignored), samples are ordered by class then by a sorted walk of the class
+    tree (nested folders included), the extension check is case-insensitive,
+    an empty class raises unless ``allow_empty``. ``samples``/``imgs`` hold
+    ``(url, class_index)`` with the full URL (``s3://bucket/prefix/cat/1.png``;
+    for a plain local root, the same paths ImageFolder gives); ``relpath(i)``
+    gives ``cat/1.png``.
+
+    The root is listed once here; pickling ships the constructor arguments and
+    the built index, never a filesystem or client, so DataLoader workers and
+    other ranks do not list again. Each process opens its own filesystem on
+    first use (fork-, spawn- and forkserver-safe).
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        ``s3://bucket/prefix``, ``memory://...``, ``file://...`` or a local path.
+    transform, target_transform : callable, optional
+        As in ImageFolder.
+    loader : callable, optional
+        Called with one binary file-like object (an ``io.BytesIO`` at offset 0
+        whose ``.name`` is the sample URL); returns the sample. **Not a path**,
+        unlike ImageFolder's. Default: :func:`pil_loader` (PIL, ``.convert("RGB")``).
+    is_valid_file : callable, optional
+        Called with the sample URL; replaces the extension filter, as in ImageFolder.
+    allow_empty : bool
+        Accept class folders without any valid file.
+    storage_options : mapping, optional
+        fsspec options (``anon``, ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``).
+        They are pickled with the dataset (workers need them) but never shown in
+        reprs or errors; prefer environment or instance credentials. For ``s3``,
+        ``config_kwargs["max_pool_connections"]`` defaults to 64.
+    index : FolderIndex, optional
+        A listing made earlier (``index_folder(root)`` or ``other.index``): no listing is done.
+    cache : str or os.PathLike, optional
+        Local folder: each object is written there (temp file + ``os.replace``)
+        on first read and read from there afterwards. Keyed by URL: objects are
+        assumed not to change while cached; clear the folder when they do.
+    retries : int
+        Extra attempts for a transient (network, 5xx) fetch error, with exponential backoff.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such bucket, prefix or folder; no class folder; a class without valid file.
+    PermissionError
+        The credentials were refused; the message names the URL, never the secret.
+    ValueError
+        ``index`` was built for another root.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        loader: Callable[[io.BytesIO], Any] = pil_loader,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        index: FolderIndex | None = None,
+        cache: str | os.PathLike | None = None,
+        retries: int = 3,
+    ):
+        url = _normalize_root(root)
+        self.storage_options = _Options(storage_options or {})
+        if index is None:
+            index = index_folder(url, self.storage_options)
+        elif index.root != url:
+            raise ValueError(f"index was built for {index.root}, not {url}; list it with index_folder({url!r})")
+        self.index = index
+        self.cache = os.fspath(cache) if cache is not None else None
+        self.retries = int(retries)
+        self._fs, self._fs_pid = None, None
+        super().__init__(url, transform, target_transform, loader, is_valid_file, allow_empty)
+
+    # -- listing-derived (torchvision's customization points) -----------------------------------
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        """Classes are the sorted immediate sub-folders of the root, from the index (no I/O).
+
+        Raises
+        ------
+        FileNotFoundError
+            The root has no sub-folder.
+        """
+        classes = sorted(d for d in self.index.dirs if "/" not in d)
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {self.index.root}.")
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        """``(url, class_index)`` samples from the index, exactly as torchvision's ``make_dataset`` orders them.
+
+        Raises
+        ------
+        ValueError
+            ``class_to_idx`` is empty, or both or neither of ``extensions`` and ``is_valid_file`` are given.
+        FileNotFoundError
+            A class has no valid file and ``allow_empty`` is False; the message names the classes.
+        """
+        if not class_to_idx:
+            raise ValueError("'class_to_idx' must have at least one entry to collect any samples.")
+        if (extensions is None) == (is_valid_file is None):
+            raise ValueError("Both extensions and is_valid_file cannot be None or not None at the same time")
+        valid = is_valid_file or (lambda p: has_file_allowed_extension(p, extensions))
+        by_class: dict[str, list[str]] = {}
+        for rel, _ in self.index.files:
+            head, sep, _ = rel.partition("/")
+            if sep:
+                by_class.setdefault(head, []).append(rel)
+        base = self.root if self.root.endswith("/") else self.root + "/"
+        samples, empty = [], []
+        for cls in sorted(class_to_idx):
+            found = [(base + rel, class_to_idx[cls]) for rel in by_class.get(cls, ()) if valid(base + rel)]
+            samples += found
+            empty += [] if found else [cls]
+        if empty and not allow_empty:
+            msg = f"Found no valid file for the classes {', '.join(empty)} in {self.index.root}. "
+            if extensions is not None:
+                msg += f"Supported extensions are: {', '.join(extensions)}"
+            raise FileNotFoundError(msg)
+        return samples
+
+    def relpath(self, index: int) -> str:
+        """The path of sample ``index`` relative to the root, e.g. ``"cat/sub/1.png"``.
+
+        Raises
+        ------
+        ValueError
+            The sample's path is not under the root (``samples`` was edited).
+        """
+        path = self.samples[index][0]
+        base = self.root if self.root.endswith("/") else self.root + "/"
+        if not path.startswith(base):
+            raise ValueError(f"sample {index} ({path}) is not under {self.root}")
+        return path[len(base):]
+
+    # -- per-process filesystem ----------------------------------------------------------------
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """This process's filesystem, opened on first use (a forked child opens its own)."""
+        if self._fs is None or self._fs_pid != os.getpid():
+            self._fs, self._fs_pid = _open_fs(self.root, self.storage_options), os.getpid()
+            self._fs_root = self._fs._strip_protocol(self.root).rstrip("/") or "/"
+            params = inspect.signature(self._fs._cat_file).parameters if self._fs.async_impl else {}
+            # s3fs >= 2026.3 sends a HEAD before each GET unless max_concurrency is 1
+            self._cat_kwargs = {"max_concurrency": 1} if "max_concurrency" in params else {}
+        return self._fs
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.update(_fs=None, _fs_pid=None)
+        return state
+
+    # -- fetching --------------------------------------------------------------------------------
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        """``(sample, target)`` for one index; see :meth:`__getitems__` for the errors."""
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """Load a batch with concurrent GETs (DataLoader calls this with a batch's indices).
+
+        Raises
+        ------
+        ImageDecodeError
+            The loader raised ``OSError`` on an object (not an image, truncated); names the URL.
+        FileNotFoundError, PermissionError
+            An object vanished since the listing, or access was refused; names the URL.
+        OSError
+            A transient error (network, 5xx) persisted after ``retries`` retries; names the URL.
+        """
+        samples = [self.samples[i] for i in indices]
+        blobs = self._fetch([path for path, _ in samples])
+        return [self._item(path, target, blob) for (path, target), blob in zip(samples, blobs)]
+
+    def _item(self, url: str, target: int, blob: bytes) -> tuple[Any, Any]:
+        f = io.BytesIO(blob)
+        f.name = url
+        try:
+            sample = self.loader(f)
+        except OSError as err:
+            raise ImageDecodeError(f"cannot load {url} as an image: {err}") from err
+        except Exception as err:
+            err.add_note(f"while loading {url}")
+            raise
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def _fetch(self, urls: Sequence[str]) -> list[bytes]:
+        got = {u: b for u in dict.fromkeys(urls) if (b := self._cache_read(u)) is not None}
+        todo = [u for u in dict.fromkeys(urls) if u not in got]
+        for attempt in range(self.retries + 1):
+            failed = []
+            for url, result in zip(todo, self._cat(todo)):
+                if not isinstance(result, BaseException):
+                    got[url] = result
+                    self._cache_write(url, result)
+                elif attempt < self.retries and self._transient(result):
+                    failed.append(url)
+                else:
+                    raise self._fetch_error(url, result, attempt + 1)
+            if not failed:
+                break
+            todo = failed
+            time.sleep(0.2 * 2**attempt * random.uniform(0.5, 1.5))
+        return [got[u] for u in urls]
+
+    def _cat(self, urls: Sequence[str]) -> list:
+        """Bytes or the exception, per URL: one concurrent round for async filesystems.
+
+        Not ``fs.cat``: it expands globs and silently drops keys with ``[``, ``*`` or ``?``.
+        """
+        fs = self.fs
+        paths = [self._fs_path(u) for u in urls]
+        if fs.async_impl:
+            return sync(fs.loop, _gather_cat, fs, paths, self._cat_kwargs)
+        out = []
+        for p in paths:
+            try:
+                out.append(fs.cat_file(p))
+            except Exception as err:
+                out.append(err)
+        return out
+
+    def _fs_path(self, url: str) -> str:
+        base = self.root if self.root.endswith("/") else self.root + "/"
+        if url.startswith(base):
+            return self._fs_root.rstrip("/") + "/" + url[len(base):]
+        return self.fs._strip_protocol(url)
+
+    @staticmethod
+    def _transient(err: BaseException) -> bool:
+        return not isinstance(err, _PERMANENT) and isinstance(err, _error_types("transient"))
+
+    def _fetch_error(self, url: str, err: BaseException, attempts: int) -> BaseException:
+        builtin = _as_builtin(err, url, "reading it")
+        if builtin is not None:
+            builtin.__cause__ = err
+            return builtin
+        if self._transient(err):
+            wrapped = OSError(f"could not read {url} after {attempts} attempts: {type(err).__name__}: {err}")
+            wrapped.__cause__ = err
+            return wrapped
+        err.add_note(f"while reading {url}")
+        return err
+
+    # -- local cache -----------------------------------------------------------------------------
+
+    def _cache_path(self, url: str) -> str:
+        digest = hashlib.sha256(url.encode()).hexdigest()
+        return os.path.join(self.cache, digest[:2], digest[2:])
+
+    def _cache_read(self, url: str) -> bytes | None:
+        if self.cache is None:
+            return None
+        try:
+            with open(self._cache_path(url), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _cache_write(self, url: str, blob: bytes) -> None:
+        if self.cache is None:
+            return
+        path = self._cache_path(url)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # atomic: readers see the old state or the whole file
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def extra_repr(self) -> str:
+        lines = [f"Classes: {len(self.classes)}"]
+        if self.cache is not None:
+            lines.append(f"Cache: {self.cache}")
+        return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""``dask_ddp.dispatch.run``: start a DDP job on a Dask cluster, one rank per worker.
+
+Everything is validated here, on the client, before anything ships: the
+function and every argument must pickle (cloudpickle, so a function defined
+in a notebook travels by value), the workers must exist, the backend must be
+known. The result is a frozen :class:`LaunchSpec`; the :class:`~dask_ddp.job.Job`
+owns everything live.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import cloudpickle
+import dask
+
+from . import config  # noqa: F401 - loads ddp.yaml into dask.config
+from . import plan as planning
+from .errors import ClientClosedError, PlanError, SerializationError
+from .job import Job
+
+__all__ = ["run", "LaunchSpec"]
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launch needs, validated and frozen on the client."""
+
+    call: bytes
+    fn_name: str
+    first_plan: planning.RankPlan
+    workers: Any = None
+    backend: str = "auto"
+    master_addr: str | None = None
+    name: str | None = None
+    timeout: float = 1800
+    rendezvous_timeout: float = 300
+    spawn_timeout: float = 120
+    poll_interval: float = 0.25
+    stall_timeout: float | None = None
+    max_restarts: int = 0
+    restart_wait: float = 60
+    checkpoint_dir: str | None = None
+    progress: bool = True
+    total: int | None = None
+    echo_logs: bool = True
+    callbacks: tuple = ()
+    raise_in_task: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def task_base(self, run_id: str, attempt: int, plan: planning.RankPlan, topic: str, names: dict) -> dict:
+        """The part of every rank's task that is the same for all ranks of an attempt."""
+        return {
+            "run_id": f"{run_id}-{attempt}", "attempt": attempt, "topic": topic,
+            "abort_event": names["abort"], "port_variable": names["port"],
+            "rendezvous_timeout": self.rendezvous_timeout, "spawn_timeout": self.spawn_timeout,
+            "poll_interval": self.poll_interval,
+            "payload": {
+                "call": self.call, "run_id": run_id, "attempt": attempt, "backend": self.backend,
+                "master_addr": plan.master_addr, "timeout": self.timeout, "max_restarts": self.max_restarts,
+                "checkpoint_dir": self.checkpoint_dir, "extra": self.extra,
+                "flush_interval": dask.config.get("ddp.events.flush-interval"),
+            },
+        }
+
+
+def _check_pickles(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
+    try:
+        return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    except Exception as whole:  # noqa: BLE001 - find which part, to name it
+        parts = [("the function " + getattr(fn, "__qualname__", repr(fn)), fn)]
+        parts += [(f"positional argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
+        parts += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
+        for what, obj in parts:
+            try:
+                cloudpickle.dumps(obj)
+            except Exception as exc:  # noqa: BLE001
+                raise SerializationError(f"{what} cannot be pickled to ship to the workers: {exc}. Create it "
+                                         "inside the training function instead (e.g. open files, clients, locks "
+                                         "and CUDA tensors there)") from exc
+        raise SerializationError(f"the call cannot be pickled to ship to the workers: {whole}") from whole
+
+
+def _number(name: str, value, *, minimum: float = 0, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < minimum:
+        raise PlanError(f"{name}={value!r}: expected a number >= {minimum}" + (" or None" if allow_none else ""))
+    return value
+
+
+def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | None = None,
+        master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
+        progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
+        max_restarts: int = 0, checkpoint_dir: str | None = None, timeout: float | None = None,
+        **kwargs: Any) -> Job:
+    """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
+
+    Inside ``fn`` the torch process group is initialised (and destroyed after
+    ``fn`` returns or raises), torchrun's environment variables are set, and
+    :func:`dask_ddp.get_context` gives rank, world size and device. Each rank
+    runs in a child process of its Dask worker, so a hung rank can be killed
+    without restarting the worker and ``DataLoader(num_workers>0)`` works.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    fn : callable
+        The training function; defined anywhere, a notebook included (it is
+        shipped by value).
+    *args, **kwargs
+        Passed to ``fn`` on every rank. Keyword names of ``run`` itself (below)
+        are taken by ``run``.
+    workers : None, int or list of str
+        Every worker (default), the first ``n`` in rank order, or worker
+        addresses/names. Ranks are ordered by host, then worker name, then port.
+    backend : "auto", "nccl" or "gloo"
+        ``auto`` (default, ``ddp.backend``) picks nccl when every rank has a
+        GPU and gloo otherwise.
+    master_addr : str
+        Host of the rendezvous store; default rank 0's host as the scheduler sees it.
+    name : str
+        Run id prefix (default ``<fn name>-<random>``).
+    callbacks : sequence
+        Plain callables receive every event (metric and log dicts); objects may
+        define ``on_start(job)``, ``on_metrics(event)``, ``on_log(event)``,
+        ``on_failure(job, error)``, ``on_restart(job, attempt)``, ``on_finish(job)``.
+    progress : bool
+        Show a progress bar in ``wait``/``result``. ``total``: steps for the bar.
+    stall_timeout : float
+        Seconds a rank may go without a report, counted from its first report
+        (so slow starts never count); then the job fails with every rank's
+        stack dump. Default ``ddp.stall-timeout`` (off).
+    max_restarts : int
+        Restart the whole group this many times after a failure.
+    checkpoint_dir : str
+        fsspec URL for :func:`dask_ddp.save_checkpoint` / ``load_checkpoint``.
+    timeout : float
+        Collective and store timeout in seconds (default ``ddp.timeout``).
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not callable.
+    SerializationError
+        ``fn`` or an argument cannot be pickled (names which).
+    PlanError
+        Bad ``workers=``, unknown backend, bad numbers.
+    ClientClosedError
+        The client is not connected.
+    """
+    return Job(client, _make_spec(client, fn, args, kwargs, workers=workers, backend=backend,
+                                  master_addr=master_addr, name=name, callbacks=callbacks, progress=progress,
+                                  total=total, stall_timeout=stall_timeout, max_restarts=max_restarts,
+                                  checkpoint_dir=checkpoint_dir, timeout=timeout))._start()
+
+
+def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
+               stall_timeout, max_restarts, checkpoint_dir, timeout, raise_in_task=False, extra=None) -> LaunchSpec:
+    if getattr(client, "status", None) != "running":
+        raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
+                                "create a new Client(...) for the cluster")
+    if not callable(fn):
+        raise TypeError(f"run(client, fn, ...) needs a callable fn, got {type(fn).__name__}: {fn!r}")
+    cfg = dask.config.get("ddp")
+    backend = cfg["backend"] if backend is None else backend
+    if backend not in BACKENDS:
+        raise PlanError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise PlanError(f"max_restarts={max_restarts!r}: expected an int >= 0")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise PlanError(f"total={total!r}: expected a positive int or None")
+    call = _check_pickles(fn, args, kwargs)
+    info = client.scheduler_info(n_workers=-1)  # not the default of 5 (distributed 2025.4 - 2026.6)
+    plan = planning.make_plan(planning.workers_from_scheduler_info(info), workers, master_addr)
+    return LaunchSpec(
+        call=call, fn_name=getattr(fn, "__name__", "fn").strip("<>") or "fn", first_plan=plan, workers=workers,
+        backend=backend, master_addr=master_addr, name=name,
+        timeout=_number("timeout", cfg["timeout"] if timeout is None else timeout, minimum=1),
+        rendezvous_timeout=cfg["rendezvous-timeout"], spawn_timeout=cfg["spawn-timeout"],
+        poll_interval=cfg["poll-interval"],
+        stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
+                              minimum=0.1, allow_none=True),
+        max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
+        echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), raise_in_task=raise_in_task, extra=extra or {})

@@ -1,0 +1,174 @@
+"""Events between ranks and the notebook, over Dask's ``log_event`` / ``subscribe_topic``.
+
+Worker side, :class:`Relay` batches a rank's reports and output lines and
+publishes one event per batch (``{"run", "rank", "attempt", "seq", "items"}``)
+on the job's topic, at most ``ddp.events.max-batch-bytes`` each. Client
+side, :class:`Subscription` subscribes before the ranks start, backfills once
+with ``get_events`` (subscribing does not replay the past) and drops batches
+it has already seen, keyed by (attempt, rank, seq). Handlers of
+``subscribe_topic`` run on the client's event loop, so they only enqueue.
+
+Dask allows one handler per topic and client; :class:`WorkerWatch` shares the
+scheduler's ``"all"`` topic (which reports ``remove-worker``) among jobs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Callable
+
+import dask
+
+__all__ = ["Relay", "Subscription", "WorkerWatch"]
+
+MAX_LINE = 10_000  # characters of one output line kept; longer lines are cut with a marker
+
+
+def _size(item: dict) -> int:
+    return 16 + sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in item.items())
+
+
+class Relay:
+    """Collects one rank's events on the worker and publishes them in batches (thread-safe)."""
+
+    def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str):
+        self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
+        self.seq = -1
+        self._items: list[dict] = []
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.interval = dask.config.get("ddp.events.flush-interval")
+        self.max_bytes = dask.config.get("ddp.events.max-batch-bytes")
+
+    def log(self, stream: str, line: str) -> None:
+        if len(line) > MAX_LINE:
+            line = line[:MAX_LINE] + f" ... [{len(line) - MAX_LINE} characters cut]"
+        self.extend([{"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
+                      "stream": stream, "line": line}])
+
+    def extend(self, items: list[dict]) -> None:
+        with self._lock:
+            self._items.extend(items)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dask-ddp-relay", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.flush()
+
+    def flush(self) -> None:
+        with self._publish_lock:  # one publisher at a time keeps seq in order
+            with self._lock:
+                items, self._items = self._items, []
+            batch, size = [], 0
+            for item in items:
+                item_size = _size(item)
+                if batch and size + item_size > self.max_bytes:
+                    self._publish(batch)
+                    batch, size = [], 0
+                batch.append(item)
+                size += item_size
+            if batch:
+                self._publish(batch)
+
+    def _publish(self, batch: list[dict]) -> None:
+        self.seq += 1
+        self.worker.log_event(self.topic, {"run": self.run_id, "rank": self.rank, "attempt": self.attempt,
+                                           "seq": self.seq, "items": batch})
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()
+
+
+class Subscription:
+    """A job's view of its topic: every batch once, in arrival order, through a thread-safe queue."""
+
+    def __init__(self, client, topic: str):
+        self.client, self.topic = client, topic
+        self.queue: queue.Queue = queue.Queue()
+        self._seen: set[tuple] = set()
+        self._lock = threading.Lock()
+        self.last_seq: dict[tuple[int, int], int] = {}
+        client.subscribe_topic(topic, self._on_event)
+
+    def _on_event(self, event) -> None:  # runs on the client's event loop: enqueue only
+        self.queue.put(event[1])
+
+    def backfill(self) -> None:
+        """Fetch what the scheduler holds for the topic (subscribing does not replay the past)."""
+        for _, msg in self.client.get_events(self.topic):
+            self.queue.put(msg)
+
+    def accept(self, msg: dict) -> bool:
+        """True the first time a batch is seen (de-duplicates backfill and live delivery)."""
+        key = (msg.get("attempt"), msg.get("rank"), msg.get("seq"))
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            rk = (msg.get("attempt"), msg.get("rank"))
+            self.last_seq[rk] = max(self.last_seq.get(rk, -1), msg.get("seq", -1))
+        return True
+
+    def have_all(self, attempt: int, rank: int, last_seq: int) -> bool:
+        with self._lock:
+            return all((attempt, rank, s) in self._seen for s in range(last_seq + 1))
+
+    def close(self) -> None:
+        try:
+            self.client.unsubscribe_topic(self.topic)
+        except Exception:
+            pass
+
+
+class WorkerWatch:
+    """Fans the scheduler's ``remove-worker`` events out to every job of one client."""
+
+    _by_client: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, client):
+        self.client = client
+        self._callbacks: dict[int, Callable[[str], None]] = {}
+
+    @classmethod
+    def of(cls, client) -> "WorkerWatch":
+        with cls._lock:
+            watch = cls._by_client.get(client)
+            if watch is None:
+                watch = cls._by_client[client] = cls(client)
+            return watch
+
+    def _on_event(self, event) -> None:
+        msg = event[1]
+        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+            for callback in list(self._callbacks.values()):
+                callback(msg.get("worker", ""))
+
+    def add(self, callback: Callable[[str], None]) -> int:
+        """Call ``callback(address)`` when a worker leaves; subscribes while any job listens."""
+        with self._lock:
+            if not self._callbacks:
+                self.client.subscribe_topic("all", self._on_event)
+            token = id(callback)
+            self._callbacks[token] = callback
+        return token
+
+    def remove(self, token: int) -> None:
+        with self._lock:
+            self._callbacks.pop(token, None)
+            if not self._callbacks and self.client.status == "running":
+                try:
+                    self.client.unsubscribe_topic("all")
+                except Exception:  # noqa: BLE001
+                    pass

@@ -1,0 +1,196 @@
+"""Rank planning: which workers take part and which rank each gets.
+
+Pure functions, no cluster: :func:`make_plan` turns the scheduler's view of
+the workers into a frozen :class:`RankPlan`. Ranks are deterministic: workers
+are ordered by host, then by worker name (dask-cuda names workers by GPU id),
+then by port, parsed as numbers where they are numbers, never by the raw
+address string (``tcp://10.0.0.10`` would sort before ``tcp://10.0.0.9``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+from urllib.parse import urlsplit
+
+from .errors import PlanError
+
+__all__ = ["WorkerInfo", "RankSpec", "RankPlan", "make_plan", "parse_address", "torchrun_env"]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One Dask worker as the scheduler sees it."""
+
+    address: str
+    host: str
+    port: int
+    name: str
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one rank runs and what it is called (frozen, made on the client)."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    num_nodes: int
+    address: str
+    host: str
+    name: str
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """The ranks of one launch, in rank order, and the rendezvous host."""
+
+    ranks: tuple[RankSpec, ...]
+    master_addr: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.ranks]
+
+    def rank_of(self, address: str) -> RankSpec | None:
+        """The rank running on worker ``address``, or None."""
+        return next((r for r in self.ranks if r.address == address), None)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split a Dask address (``tcp://host:port``, ``ucx://[::1]:8786``) into host and port.
+
+    Raises
+    ------
+    PlanError
+        If the address has no host.
+    """
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    if not parts.hostname:
+        raise PlanError(f"cannot read a host from worker address {address!r}")
+    try:
+        port = parts.port or 0
+    except ValueError:
+        port = 0
+    return parts.hostname, port
+
+
+def _natural_key(text: str) -> tuple:
+    """Sort key that orders embedded numbers numerically: 'w2' < 'w10', '9' < '10'."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text) if t)
+
+
+def _host_key(host: str) -> tuple:
+    try:
+        ip = ipaddress.ip_address(host)
+        return (0, ip.version, int(ip), "")
+    except ValueError:
+        return (1, 0, 0, _natural_key(host))
+
+
+def workers_from_scheduler_info(info: Mapping[str, Any]) -> list[WorkerInfo]:
+    """Read the workers out of ``client.scheduler_info(n_workers=-1)``."""
+    out = []
+    for address, w in info.get("workers", {}).items():
+        host, port = parse_address(address)
+        out.append(WorkerInfo(address=address, host=w.get("host") or host, port=port, name=str(w.get("name", address))))
+    return out
+
+
+def _order(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+    return sorted(workers, key=lambda w: (_host_key(w.host), _natural_key(w.name), w.port))
+
+
+def _select(workers: Sequence[WorkerInfo], selection: Any) -> list[WorkerInfo]:
+    available = len(workers)
+    if selection is None:
+        if not workers:
+            raise PlanError("the cluster has no workers: start some (cluster.scale(n)) or wait for them "
+                            "(client.wait_for_workers(n)) before dispatching")
+        return list(workers)
+    if isinstance(selection, bool) or not isinstance(selection, (int, list, tuple)):
+        raise PlanError(f"workers= takes a count, or a list of worker addresses or names; got {selection!r}")
+    if isinstance(selection, int):
+        if selection < 1:
+            raise PlanError(f"workers={selection}: ask for at least 1 worker")
+        if selection > available:
+            raise PlanError(f"asked for {selection} workers, the cluster has {available}: "
+                            f"scale the cluster up or ask for at most {available}")
+        return _order(workers)[:selection]
+    if not selection:
+        raise PlanError("workers=[] names no worker: pass None for every worker, a count, or addresses/names")
+    by_key: dict[str, WorkerInfo] = {}
+    for w in workers:
+        by_key[w.address] = w
+        by_key.setdefault(w.name, w)
+    chosen, unknown = [], []
+    for key in selection:
+        w = by_key.get(str(key))
+        (chosen if w else unknown).append(w or key)
+    if unknown:
+        known = ", ".join(sorted(w.address for w in workers)) or "none"
+        raise PlanError(f"workers= names {len(unknown)} unknown worker(s): {unknown!r}; the cluster has: {known}")
+    if len(set(chosen)) != len(chosen):
+        raise PlanError(f"workers= names the same worker twice: {list(selection)!r}")
+    return chosen
+
+
+def make_plan(workers: Sequence[WorkerInfo], selection: Any = None, master_addr: str | None = None) -> RankPlan:
+    """Choose workers and give each a rank.
+
+    Parameters
+    ----------
+    workers
+        Every worker of the cluster.
+    selection
+        None for all workers, an int for the first ``n`` in rank order, or a
+        list of worker addresses or names.
+    master_addr
+        Host of the rendezvous store; defaults to rank 0's host as the
+        scheduler sees it.
+
+    Raises
+    ------
+    PlanError
+        If the selection asks for more workers than exist, names unknown or
+        repeated workers, or is of the wrong type.
+    """
+    chosen = _order(_select(workers, selection))
+    hosts: list[str] = []
+    for w in chosen:
+        if w.host not in hosts:
+            hosts.append(w.host)
+    per_host = {h: [w for w in chosen if w.host == h] for h in hosts}
+    ranks = tuple(
+        RankSpec(
+            rank=i,
+            local_rank=per_host[w.host].index(w),
+            node_rank=hosts.index(w.host),
+            world_size=len(chosen),
+            local_world_size=len(per_host[w.host]),
+            num_nodes=len(hosts),
+            address=w.address,
+            host=w.host,
+            name=w.name,
+        )
+        for i, w in enumerate(chosen)
+    )
+    return RankPlan(ranks=ranks, master_addr=master_addr or chosen[0].host)
+
+
+def torchrun_env(r: RankSpec, master_addr: str, run_id: str, attempt: int, max_restarts: int) -> dict:
+    """The environment torchrun gives a rank (all but MASTER_PORT, known once rank 0 has bound it)."""
+    env = {"RANK": r.rank, "LOCAL_RANK": r.local_rank, "WORLD_SIZE": r.world_size,
+           "LOCAL_WORLD_SIZE": r.local_world_size, "GROUP_RANK": r.node_rank, "GROUP_WORLD_SIZE": r.num_nodes,
+           "ROLE_RANK": r.rank, "ROLE_WORLD_SIZE": r.world_size, "ROLE_NAME": "default",
+           "MASTER_ADDR": master_addr, "TORCHELASTIC_RESTART_COUNT": attempt,
+           "TORCHELASTIC_MAX_RESTARTS": max_restarts, "TORCHELASTIC_RUN_ID": run_id}
+    return {k: str(v) for k, v in env.items()}

@@ -1,0 +1,47 @@
+"""The progress bar of :meth:`Job.wait` / :meth:`Job.result` (tqdm's auto flavour).
+
+A widget in Jupyter, text in a terminal. It follows the highest ``step`` any
+rank has reported (``total=`` on ``run`` gives the bar its end) and shows
+the latest metrics of rank 0 in its postfix.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class Progress:
+    """One bar over a job's reported steps; ``update()`` is cheap and called from the waiting thread."""
+
+    def __init__(self, job, total: int | None = None):
+        from tqdm.auto import tqdm
+
+        self.job = job
+        self.bar = tqdm(total=total, desc=job.run_id, unit="step", dynamic_ncols=True, leave=True)
+        self._seen = 0
+
+    def update(self) -> None:
+        rows = self.job._metric_rows
+        if len(rows) == self._seen:
+            return
+        self._seen = len(rows)
+        latest = rows[-1]
+        top = max(r["step"] for r in rows[-1000:]) + 1
+        if top > self.bar.n:
+            self.bar.update(top - self.bar.n)
+        last0 = next((r for r in reversed(rows[-200:]) if r["rank"] == 0), latest)
+        post = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in last0.items()
+                if k not in ("kind", "rank", "attempt", "time", "step")}
+        self.bar.set_postfix(post, refresh=False)
+
+    def close(self) -> None:
+        self.update()
+        self.bar.set_description(f"{self.job.run_id} {self.job.state}")
+        self.bar.close()
+
+    @staticmethod
+    def write(line: str, to_stderr: bool = False) -> None:
+        """Print a line without breaking an active bar."""
+        from tqdm.auto import tqdm
+
+        tqdm.write(line, file=sys.stderr if to_stderr else sys.stdout)
