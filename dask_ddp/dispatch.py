@@ -10,6 +10,9 @@ owns everything live.
 from __future__ import annotations
 
 import numbers
+import os
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -67,7 +70,36 @@ class LaunchSpec:
         }
 
 
+def _local_module(fn: Callable):
+    """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
+
+    cloudpickle ships functions of importable modules by reference; the workers
+    would then fail with ModuleNotFoundError for a module that only the client has.
+    """
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(mod, "__file__", None)
+    if mod is None or mod.__name__ == "__main__" or not path:
+        return None
+    installed = {os.path.realpath(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"],
+                                               sysconfig.get_paths()["platlib"])}
+    real = os.path.realpath(path)
+    if any(real.startswith(p + os.sep) for p in installed) or mod.__name__.split(".")[0] == "dask_ddp":
+        return None
+    return mod
+
+
 def _check_pickles(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
+    mod = _local_module(fn)
+    if mod is not None:
+        cloudpickle.register_pickle_by_value(mod)
+    try:
+        return _dumps(fn, args, kwargs)
+    finally:
+        if mod is not None:
+            cloudpickle.unregister_pickle_by_value(mod)
+
+
+def _dumps(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
     try:
         return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
     except Exception as whole:  # noqa: BLE001 - find which part, to name it

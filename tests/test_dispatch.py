@@ -1,0 +1,272 @@
+"""The launcher on a real LocalCluster with worker processes and gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+from dask.distributed import Client, LocalCluster
+
+import dask_ddp
+from dask_ddp import dispatch
+
+from _cluster import leftover_processes, no_running_ranks
+
+TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+def run(client, fn, *args, **kwargs):
+    kwargs.setdefault("progress", False)
+    return dispatch.run(client, fn, *args, **kwargs)
+
+
+# ---- functions run on the ranks (module level or local: both ship by value) -------------------------------
+
+def train_ddp(steps, lr=0.1, seed=0):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    dask_ddp.seed_everything(seed)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x = torch.randn(16, 8)  # different data per rank (seed + rank)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dask_ddp.report(loss=loss, step=step)
+    return ctx.rank, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def env_and_context():
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    return {"env": {k: os.environ.get(k) for k in TORCHRUN_VARS}, "rank": ctx.rank, "local_rank": ctx.local_rank,
+            "world_size": ctx.world_size, "node_rank": ctx.node_rank, "device": str(ctx.device),
+            "backend": dist.get_backend(), "pg_rank": dist.get_rank(), "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "worker": ctx.worker}
+
+
+def test_ddp_parameters_identical_after_training(client):
+    job = run(client, train_ddp, 5, lr=0.05)
+    values = job.result(timeout=120)
+    assert [v[0] for v in values] == [0, 1]
+    p0, p1 = values[0][1], values[1][1]
+    assert p0.numel() == 8 * 16 + 16 + 16 + 1
+    assert (p0 == p1).all(), "DDP must keep the ranks' parameters identical"
+    m = job.metrics
+    assert sorted(m["rank"].unique()) == [0, 1] and len(m) == 10 and m["loss"].dtype == float
+    assert job.state == "FINISHED"
+    assert leftover_processes(client) == []
+
+
+def test_torchrun_env_and_context(client):
+    job = run(client, env_and_context)
+    out = job.result(timeout=120)
+    addrs = job.plan.addresses
+    port = out[0]["env"]["MASTER_PORT"]
+    for r, got in enumerate(out):
+        env = got["env"]
+        assert env["RANK"] == str(r) and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == str(r)
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+        assert env["ROLE_RANK"] == str(r) and env["ROLE_WORLD_SIZE"] == "2" and env["ROLE_NAME"] == "default"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == port and int(port) > 0
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["TORCHELASTIC_RUN_ID"] == job.run_id
+        assert got["rank"] == got["pg_rank"] == r and got["backend"] == "gloo" and got["device"] == "cpu"
+        assert got["worker"] == addrs[r]
+    leaked = client.run(lambda: [k for k in TORCHRUN_VARS if k in os.environ])
+    assert all(v == [] for v in leaked.values()), f"env leaked into the Dask workers: {leaked}"
+
+
+def test_twenty_jobs_in_a_row_no_cache_no_port_left(client):
+    def tiny(i):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(i)])
+        dist.all_reduce(t)
+        return t.item(), int(os.environ["MASTER_PORT"])
+
+    ports = []
+    for i in range(20):
+        values = run(client, tiny, 1).result(timeout=120)  # same function, same argument every time
+        assert [v[0] for v in values] == [2.0, 2.0]
+        ports.append(values[0][1])
+    for port in set(ports):
+        with socket.socket() as s:  # nothing listens any more: a connect is refused
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still bound"
+    assert leftover_processes(client) == []
+
+
+def test_helpers_rank_zero_first_seed_all_reduce(client):
+    def helpers(path):
+        import random
+
+        ctx = dask_ddp.get_context()
+        with dask_ddp.rank_zero_first():
+            if ctx.rank == 0:
+                time.sleep(0.5)
+                with open(path, "w") as f:
+                    f.write("ready")
+            seen = open(path).read()  # rank 1 only gets here after rank 0 wrote it
+        seed = dask_ddp.seed_everything(7)
+        return seen, seed, random.random(), dask_ddp.all_reduce_mean(float(ctx.rank + 1))
+
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "flag")
+    out = run(client, helpers, path).result(timeout=120)
+    assert [o[0] for o in out] == ["ready", "ready"]
+    assert [o[1] for o in out] == [7, 8] and out[0][2] != out[1][2]
+    assert [o[3] for o in out] == [1.5, 1.5]
+
+
+def test_dataloader_with_workers_inside_a_rank(client):
+    def load():
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        data = TensorDataset(torch.arange(40.0))
+        loader = DataLoader(data, batch_size=10, num_workers=2)  # default daemonic Dask workers, no config
+        return sum(float(b[0].sum()) for b in loader)
+
+    assert run(client, load).result(timeout=120) == [780.0, 780.0]
+    assert leftover_processes(client) == []
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_raising_rank_stops_the_others_fast(client, failing):
+    def fail_one(bad):
+        import torch
+        import torch.distributed as dist
+
+        ctx = dask_ddp.get_context()
+        dist.barrier()
+        if ctx.rank == bad:
+            dask_ddp.report(raised_at=time.time())
+            raise ValueError(f"bad batch on rank {bad}")
+        while True:  # the survivor is busy in collectives with nobody to answer
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.01)
+
+    job = run(client, fail_one, failing)
+    with pytest.raises(ValueError, match=f"bad batch on rank {failing}") as info:
+        job.result(timeout=120)
+    stopped_at = job.history[-1][0]
+    raised_at = job.metrics["raised_at"].dropna().iloc[0]
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"rank {failing}" in notes and job.plan.addresses[failing] in notes
+    assert "other ranks: rank" in notes
+    tb = "".join(__import__("traceback").format_tb(info.value.__traceback__))
+    assert "fail_one" in tb, "the rank's own traceback must travel with the error"
+    assert stopped_at - raised_at < 5.0, f"ranks stopped {stopped_at - raised_at:.2f} s after the raise"
+    print(f"all ranks stopped {stopped_at - raised_at:.2f} s after rank {failing} raised")
+    assert job.state == "FAILED"
+    assert leftover_processes(client) == []
+    assert run(client, lambda: 1).result(timeout=120) == [1, 1]  # the cluster stays usable
+
+
+def test_cancel_stops_every_rank(client):
+    def forever():
+        dask_ddp.report(started=1)
+        while True:
+            time.sleep(0.1)
+
+    job = run(client, forever)
+    deadline = time.time() + 60
+    while job.metrics.empty and time.time() < deadline:
+        time.sleep(0.1)
+    t0 = time.time()
+    job.cancel()
+    took = time.time() - t0
+    with pytest.raises(dask_ddp.JobCancelledError):
+        job.result(timeout=10)
+    assert took < 5.0, f"cancel took {took:.2f} s"
+    assert job.state == "CANCELLED" and no_running_ranks(client)
+    assert leftover_processes(client) == []
+
+
+def test_two_concurrent_jobs_on_disjoint_workers():
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            addrs = sorted(c.scheduler_info(n_workers=-1)["workers"])
+            results = {}
+
+            def go(name, workers):
+                results[name] = dispatch.run(c, train_ddp, 3, workers=workers, progress=False).result(timeout=180)
+
+            threads = [threading.Thread(target=go, args=("a", addrs[:2])),
+                       threading.Thread(target=go, args=("b", addrs[2:]))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(200)
+            assert set(results) == {"a", "b"}
+            for values in results.values():
+                assert (values[0][1] == values[1][1]).all()
+
+
+# ---- bad input: a clear error before anything starts ---------------------------------------------------------
+
+def test_bad_input(client):
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="callable"):
+        run(client, 42)
+    with pytest.raises(dask_ddp.SerializationError, match="keyword argument 'data'"):
+        run(client, train_ddp, 1, data=lock)
+    with pytest.raises(dask_ddp.SerializationError, match="positional argument 0"):
+        run(client, train_ddp, lock)
+    with pytest.raises(dask_ddp.SerializationError, match="the function"):
+        run(client, lambda: lock.locked())
+    with pytest.raises(dask_ddp.PlanError, match="asked for 3 workers, the cluster has 2"):
+        run(client, train_ddp, 1, workers=3)
+    with pytest.raises(dask_ddp.PlanError, match="unknown worker"):
+        run(client, train_ddp, 1, workers=["tcp://10.9.9.9:1"])
+    with pytest.raises(dask_ddp.PlanError, match="unknown backend 'mpi'"):
+        run(client, train_ddp, 1, backend="mpi")
+    with pytest.raises(dask_ddp.PlanError, match="max_restarts"):
+        run(client, train_ddp, 1, max_restarts=-1)
+    assert no_running_ranks(client)
+
+
+def test_closed_client():
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
+        c = Client(cluster)
+        c.close()
+        with pytest.raises(dask_ddp.ClientClosedError, match="not connected"):
+            dispatch.run(c, train_ddp, 1)
+
+
+def test_nccl_without_gpu_fails_at_once_naming_rank_and_worker(client):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    t0 = time.time()
+    job = run(client, env_and_context, backend="nccl")
+    with pytest.raises(dask_ddp.PlanError, match=r"backend='nccl' needs a GPU, but rank \d on worker tcp://"):
+        job.result(timeout=60)
+    assert time.time() - t0 < 30
+
+
+def test_get_context_outside_a_rank():
+    with pytest.raises(dask_ddp.NotInRankError, match="outside a dask-ddp rank"):
+        dask_ddp.get_context()
+    with pytest.raises(dask_ddp.NotInRankError):
+        dask_ddp.report(loss=1.0)
