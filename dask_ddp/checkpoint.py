@@ -34,14 +34,14 @@ from .errors import DaskDDPError, NotInRankError
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "rng_state", "set_rng_state", "Checkpoint", "CheckpointError"]
 
-_NAME = re.compile(r"^step-(\d+)(?:\.rank-(\d+)-of-(\d+))?\.(pt|done)$")
+# groups: step, rank, world size, kind, and a ".PID-RANDOM.tmp" suffix that (with a leading
+# dot) marks a local temporary file
+_NAME = re.compile(r"^(?:\.(?=.*\.tmp$))?step-(\d+)(?:\.rank-(\d+)-of-(\d+))?\.(pt|done)"
+                   r"(\.\d+-[0-9a-f]{8}\.tmp)?$")
 
 
 class CheckpointError(DaskDDPError, ValueError):
-    """A checkpoint exists but cannot be loaded (truncated, corrupt, or refused by ``weights_only``).
-
-    ``url`` names the payload; ``unsafe_globals`` lists the types ``weights_only=True`` refused.
-    """
+    """A checkpoint cannot be loaded: corrupt, or refused by ``weights_only`` (see ``unsafe_globals``)."""
 
     def __init__(self, message: str, *, url: str = "", unsafe_globals=(), **kw):
         super().__init__(message, **kw)
@@ -51,7 +51,6 @@ class CheckpointError(DaskDDPError, ValueError):
 
 class Checkpoint(NamedTuple):
     """A complete checkpoint: its step and the URL of its payload."""
-
     step: int
     url: str
 
@@ -100,14 +99,6 @@ def _where(directory, storage_options) -> _Where:
     return _Where(fs, root.rstrip("/"), _redact(directory).rstrip("/"), rank, world)
 
 
-def _credential_errors() -> tuple:
-    try:
-        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
-    except ImportError:
-        return ()
-    return NoCredentialsError, PartialCredentialsError
-
-
 @contextlib.contextmanager
 def _storage_errors(url: str):
     """Turn backend access errors into PermissionError naming the URL (never the credentials)."""
@@ -119,6 +110,14 @@ def _storage_errors(url: str):
     except _credential_errors() as exc:
         raise PermissionError(f"no credentials to access {url}: pass them in storage_options "
                               "(e.g. key=/secret= for s3) or set them in the workers' environment") from exc
+
+
+def _credential_errors() -> tuple:
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+    except ImportError:  # not an s3 install: nothing to translate
+        return ()
+    return NoCredentialsError, PartialCredentialsError
 
 
 def _put(where: _Where, name: str, data: bytes) -> None:
@@ -145,12 +144,9 @@ def _local_atomic_write(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # make the rename durable; not possible on every OS
+    with contextlib.suppress(OSError):  # make the rename durable (not possible on every OS)
         fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        os.fsync(fd), os.close(fd)
 
 
 def _names(where: _Where) -> list[str]:
@@ -165,17 +161,12 @@ def _names(where: _Where) -> list[str]:
 
 def _complete(names: list[str], all_ranks: bool) -> dict[int, int | None]:
     """Map each complete step to its world size (None for shared checkpoints)."""
-    ranks: dict[tuple[int, int | None], set[int]] = {}
-    for name in names:
-        m = _NAME.match(name)
-        if m and m[4] == "done" and (m[2] is not None) == all_ranks:
-            world = int(m[3]) if all_ranks else None
-            ranks.setdefault((int(m[1]), world), set()).add(int(m[2] or 0))
-    complete = {}
-    for step, world in sorted(ranks):
-        if world is None or ranks[step, world] == set(range(world)):
-            complete[step] = world
-    return complete
+    seen: dict[tuple, set[int]] = {}
+    for m in map(_NAME.match, names):
+        if m and m[4] == "done" and not m[5] and (m[2] is not None) == all_ranks:
+            seen.setdefault((int(m[1]), int(m[3]) if all_ranks else None), set()).add(int(m[2] or 0))
+    return {step: world for (step, world), ranks in sorted(seen.items())
+            if world is None or ranks == set(range(world))}
 
 
 def _prune(where: _Where, keep: int, all_ranks: bool) -> None:
@@ -188,9 +179,9 @@ def _prune(where: _Where, keep: int, all_ranks: bool) -> None:
     cutoff = steps[-keep]
     mine = [n for n in names if (m := _NAME.match(n)) and int(m[1]) < cutoff
             and (m[2] is not None) == all_ranks and (not all_ranks or int(m[2]) == where.rank)]
-    with _storage_errors(where.url), contextlib.suppress(FileNotFoundError):
-        for kind in (".done", ".pt"):  # markers first: a step stops counting before its payload goes
-            doomed = [where.path(n) for n in mine if n.endswith(kind)]
+    for markers in (True, False):  # markers first: a step stops counting before its payload goes
+        doomed = [where.path(n) for n in mine if n.endswith(".done") == markers]
+        with _storage_errors(where.url), contextlib.suppress(FileNotFoundError):
             if doomed:
                 where.fs.rm(doomed)
 
@@ -199,14 +190,12 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
                     all_ranks: bool = False, storage_options: dict | None = None) -> str | None:
     """Write ``state`` as the checkpoint of ``step``, atomically; return its URL.
 
-    Only rank 0 writes (other ranks return None at once, with no barrier, so
-    calling it on every rank or on rank 0 alone both work) unless
-    ``all_ranks=True``, when each rank writes its own file and a step counts
-    once every rank has written it. The state is serialised with
-    ``torch.save`` in memory, then written in one piece, then committed by a
-    small ``.done`` marker; readers ignore steps without one. Keep it
-    loadable with ``weights_only=True``: state_dicts, tensors, numbers,
-    strings, lists, dicts, and :func:`rng_state` for RNG states.
+    Only rank 0 writes (other ranks return None at once, without a barrier,
+    so call it on every rank or on rank 0 alone) unless ``all_ranks=True``:
+    then each rank writes its own file and a step counts once all have. The
+    state goes through ``torch.save`` in memory, is written in one piece and
+    committed by a ``.done`` marker. Keep it loadable with ``weights_only=True``:
+    state_dicts, tensors, numbers, strings, lists, dicts, :func:`rng_state`.
 
     Parameters
     ----------
@@ -223,14 +212,11 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
     Raises
     ------
     TypeError, ValueError
-        Bad ``state``, ``step`` or ``keep``; ValueError also when no directory is
-        known inside a rank.
+        Bad ``state``, ``step`` or ``keep``; ValueError also inside a rank with no directory known.
     NotInRankError
         Outside a rank without ``directory``.
     PermissionError
-        Missing or refused credentials; the message names the URL.
-    FileNotFoundError
-        The bucket does not exist.
+        Missing or refused credentials (the message names the URL); FileNotFoundError: no bucket.
     """
     if not isinstance(state, dict):
         raise TypeError(f"save_checkpoint(state=...) takes a dict, got {type(state).__name__}")
@@ -242,8 +228,7 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
         return None
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(state, buffer)  # may raise half-way: nothing has been written yet
+    torch.save(state, buffer := io.BytesIO())  # may raise half-way: nothing is written yet
     data = buffer.getvalue()
     rank, world = (where.rank, where.world_size) if all_ranks else (None, None)
     payload = _name(step, rank, world, "pt")
@@ -293,21 +278,21 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
                     storage_options: dict | None = None) -> dict | None:
     """Load the newest complete checkpoint (or the one of ``step``); None when there is none.
 
-    Every rank may call it. ``weights_only=True`` (torch's safe loader) is the
-    default; ``weights_only=False`` unpickles arbitrary objects, which can run
-    code: pass it only for files you trust. Other arguments as in
-    :func:`save_checkpoint`.
+    Every rank may call it. ``weights_only=True``, torch's safe loader, is the default;
+    ``weights_only=False`` unpickles anything, which can run code: only for files you trust.
+    ``all_ranks=True`` loads this rank's own file. Other arguments as in :func:`save_checkpoint`.
 
     Raises
     ------
     FileNotFoundError
         ``step`` was given and has no complete checkpoint (the message lists those there are).
     CheckpointError
-        The payload cannot be loaded: corrupt or truncated, or it holds types
-        ``weights_only=True`` refuses (they are named in the message).
+        Corrupt or truncated, or holds types ``weights_only=True`` refuses (named in the message).
     PermissionError, NotInRankError, ValueError
         As in :func:`save_checkpoint`.
     """
+    if step is not None:
+        _check_int("step", step, 0)
     where = _where(directory, storage_options)
     for attempt in range(3):
         entries = dict(_entries(where, all_ranks))
@@ -322,7 +307,8 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
                 data = where.fs.cat_file(where.path(name))
         except FileNotFoundError:
             if attempt == 2:
-                raise
+                raise FileNotFoundError(f"{where.url_of(name)} is missing although its .done marker "
+                                        "exists: delete the marker, or load another step=...") from None
             continue  # pruned by a writer between listing and reading: list again
         return _deserialize(data, where.url_of(name), map_location, weights_only)
 
@@ -349,24 +335,22 @@ def _deserialize(data: bytes, url: str, map_location, weights_only: bool) -> dic
 
 
 def _unsafe_globals(data: bytes) -> list[str]:
-    import torch
+    from torch.serialization import get_unsafe_globals_in_checkpoint
 
-    try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
-    except Exception:  # not a readable torch checkpoint: reported as corrupt instead
-        return []
+    with contextlib.suppress(Exception):  # unreadable: reported as corrupt instead
+        return list(get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    return []
 
 
 def rng_state() -> dict:
     """Return Python's, NumPy's (legacy global) and torch's RNG states (and CUDA's, once initialised).
 
-    The result holds only tensors, numbers, strings and lists, so it saves
-    into a checkpoint that ``weights_only=True`` loads. Restore it with
-    :func:`set_rng_state`.
+    It holds only tensors, numbers, strings and lists, so ``weights_only=True`` loads it back.
+    Restore it with :func:`set_rng_state`.
     """
     import torch
 
-    version, internal, gauss = random.getstate()
+    version, internal, gauss = random.getstate()  # tuples of ints: kept as lists for weights_only
     state = {"python": {"version": version, "state": list(internal), "gauss": gauss},
              "torch": torch.get_rng_state()}
     with contextlib.suppress(ImportError):
@@ -381,25 +365,19 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore RNG states made by :func:`rng_state`; parts not in ``state`` are left alone.
-
-    Raises
-    ------
-    TypeError
-        If ``state`` is not such a dict.
-    """
+    """Restore RNG states made by :func:`rng_state`; raise TypeError for anything else."""
     import torch
 
     if not isinstance(state, dict) or not {"python", "torch"} <= state.keys():
         raise TypeError("set_rng_state takes the dict made by dask_ddp.checkpoint.rng_state()")
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # .cpu(): it may have been loaded with map_location
     if "numpy" in state:
         import numpy as np
 
         n = state["numpy"]
-        np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+        np.random.set_state((n["kind"], n["key"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                              n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())

@@ -127,8 +127,8 @@ def _number(name: str, value, *, minimum: float = 0, allow_none: bool = False):
 def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | None = None,
         master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
         progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
-        max_restarts: int = 0, checkpoint_dir: str | None = None, timeout: float | None = None,
-        **kwargs: Any) -> Job:
+        max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_options: dict | None = None,
+        timeout: float | None = None, **kwargs: Any) -> Job:
     """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
 
     Inside ``fn`` the torch process group is initialised (and destroyed after
@@ -170,6 +170,8 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         Restart the whole group this many times after a failure.
     checkpoint_dir : str
         fsspec URL for :func:`dask_ddp.save_checkpoint` / ``load_checkpoint``.
+    checkpoint_options : dict
+        fsspec storage options for ``checkpoint_dir`` (endpoint, credentials).
     timeout : float
         Collective and store timeout in seconds (default ``ddp.timeout``).
 
@@ -187,7 +189,8 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     return Job(client, _make_spec(client, fn, args, kwargs, workers=workers, backend=backend,
                                   master_addr=master_addr, name=name, callbacks=callbacks, progress=progress,
                                   total=total, stall_timeout=stall_timeout, max_restarts=max_restarts,
-                                  checkpoint_dir=checkpoint_dir, timeout=timeout))._start()
+                                  checkpoint_dir=checkpoint_dir, timeout=timeout,
+                                  extra={"storage_options": dict(checkpoint_options or {})}))._start()
 
 
 def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,

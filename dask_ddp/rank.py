@@ -124,6 +124,7 @@ def _run_job(chan: _Channel, payload: dict) -> None:
     store = None
     try:
         os.environ.update(payload["env"])
+        fn, args, kwargs = cloudpickle.loads(payload["call"])  # fails here, before any rendezvous, if it must
         device, device_ids = _pick_device(rank, worker, payload["backend"])
         if rank == 0:
             store = dist.TCPStore(payload["master_addr"], 0, world_size, is_master=True, timeout=timeout,
@@ -142,7 +143,6 @@ def _run_job(chan: _Channel, payload: dict) -> None:
             restart_count=payload["attempt"], max_restarts=payload["max_restarts"], worker=worker,
             master_addr=payload["master_addr"], master_port=store.port, checkpoint_dir=payload["checkpoint_dir"],
             extra=payload.get("extra", {})))
-        fn, args, kwargs = cloudpickle.loads(payload["call"])
         value = fn(*args, **kwargs)
         blob = cloudpickle.dumps(value)
         _finish(store, rank, world_size)

@@ -36,11 +36,13 @@ class Exploding:
         raise RuntimeError("boom while pickling")
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def store(request, tmp_path):
-    """(directory URL, storage_options) on local disk or on the moto S3 server."""
+    """(directory URL, storage_options) on local disk, in fsspec's memory, or on the moto S3 server."""
     if request.param == "local":
         return str(tmp_path / "ckpt"), None
+    if request.param == "memory":
+        return f"memory://{tmp_path.name}/ckpt", {}
     s3 = request.getfixturevalue("s3")
     return f"s3://{s3['bucket']}/run", s3["storage_options"]
 
@@ -128,7 +130,7 @@ KILLER = textwrap.dedent("""
     directory, opts = sys.argv[1], json.loads(sys.argv[2])
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    if opts is None:
+    if not directory.startswith("s3://"):
         os.replace = die
     else:
         import s3fs
@@ -142,6 +144,7 @@ KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)  # memory:// lives in one process
 def test_killed_mid_write_keeps_previous(store):
     directory, opts = store
     ck.save_checkpoint({"step": 1}, 1, directory=directory, storage_options=opts)
@@ -153,7 +156,14 @@ def test_killed_mid_write_keeps_previous(store):
     assert any("000000002" in n for n in left)  # the crash really was half-way
     assert ck.load_checkpoint(directory, storage_options=opts) == {"step": 1}
     ck.save_checkpoint({"step": 3}, 3, directory=directory, keep=1, storage_options=opts)
-    assert names(directory, opts) == ["step-000000003.done", "step-000000003.pt"] or opts is None
+    assert names(directory, opts) == ["step-000000003.done", "step-000000003.pt"]  # leftovers pruned
+
+
+def test_marker_without_payload_says_what_to_do(tmp_path):
+    ck.save_checkpoint({"step": 1}, 1, directory=str(tmp_path))
+    os.unlink(tmp_path / "step-000000001.pt")
+    with pytest.raises(FileNotFoundError, match=r"step-000000001\.pt is missing .*delete the marker"):
+        ck.load_checkpoint(str(tmp_path))
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path):
@@ -305,6 +315,6 @@ def test_missing_credentials_raise_permission_error(s3, monkeypatch):
         ck.load_checkpoint(directory, storage_options=opts)
 
 
-def test_credentials_in_url_never_reach_messages(tmp_path):
+def test_credentials_in_url_never_reach_messages():
     assert ck._redact("s3://AKIA:SeCrEt@bucket/x") == "s3://bucket/x"
     assert ck._redact("/local/path@2") == "/local/path@2"

@@ -1,0 +1,255 @@
+"""Real faults on a real LocalCluster with Nannies: killed processes, lost workers, hangs, restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from dask.distributed import Client, LocalCluster
+
+import dask_ddp
+from dask_ddp import dispatch
+
+from _cluster import leftover_processes
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+def run(client, fn, *args, **kwargs):
+    kwargs.setdefault("progress", False)
+    return dispatch.run(client, fn, *args, **kwargs)
+
+
+def _spin_in_collectives():
+    import torch
+    import torch.distributed as dist
+
+    while True:
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.01)
+
+
+def kill_own_process():
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dask_ddp.get_context().rank == 1:
+        dask_ddp.report(at=time.time())
+        time.sleep(0.3)  # let the report out
+        os.kill(os.getpid(), signal.SIGKILL)
+    _spin_in_collectives()
+
+
+def kill_own_worker():
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dask_ddp.get_context().rank == 1:
+        dask_ddp.report(at=time.time())
+        time.sleep(0.3)
+        os.kill(os.getppid(), signal.SIGKILL)  # the Dask worker process (the Nanny starts a new one)
+        time.sleep(60)
+    _spin_in_collectives()
+
+
+def detection_time(job):
+    return job.history[-1][0] - job.metrics["at"].dropna().iloc[0]
+
+
+def test_sigkill_of_a_rank_process(client):
+    job = run(client, kill_own_process)
+    with pytest.raises(dask_ddp.RankFailedError, match=r"rank 1 on worker tcp://\S+ was killed by signal SIGKILL"):
+        job.result(timeout=120)
+    took = detection_time(job)
+    print(f"rank process SIGKILL: job failed {took:.2f} s later")
+    assert took < 10
+    assert leftover_processes(client) == []
+
+
+def test_sigkill_of_a_dask_worker(client):
+    addr = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    job = run(client, kill_own_worker)
+    with pytest.raises(dask_ddp.WorkerLostError, match="left the cluster") as info:
+        job.result(timeout=120)
+    took = detection_time(job)
+    print(f"worker SIGKILL: job failed {took:.2f} s later")
+    assert took < 10
+    assert info.value.rank == 1 and info.value.worker == job.plan.addresses[1]
+    assert info.value.worker in addr
+    client.wait_for_workers(2, timeout=60)  # the Nanny restarted it
+    assert leftover_processes(client) == []
+    assert run(client, lambda: 1).result(timeout=120) == [1, 1]
+
+
+def test_closed_worker():
+    """A worker closed gracefully (scale-down, drained node) does not come back: its own cluster."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            _closed_worker(c)
+
+
+def _closed_worker(client):
+    def close_rank1_worker():
+        import torch.distributed as dist
+
+        dist.barrier()
+        dask_ddp.report(at=time.time())
+        _spin_in_collectives()
+
+    job = run(client, close_rank1_worker)
+    deadline = time.time() + 60
+    while job.metrics.empty and time.time() < deadline:
+        time.sleep(0.1)
+    victim = job.plan.addresses[1]
+    t0 = time.time()
+    client.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"), workers=[victim])
+    with pytest.raises(dask_ddp.DaskDDPError, match="rank 1") as info:
+        job.result(timeout=120)
+    took = time.time() - t0
+    print(f"worker closed: job failed {took:.2f} s later ({type(info.value).__name__})")
+    assert isinstance(info.value, dask_ddp.WorkerLostError)
+    assert took < 10
+    assert leftover_processes(client) == []
+
+
+@pytest.mark.parametrize("inside_collective", [False, True])
+def test_stall_dumps_every_rank_stack(client, inside_collective):
+    client.wait_for_workers(2, timeout=60)
+
+    def hang(inside):
+        import torch
+        import torch.distributed as dist
+
+        rank = dask_ddp.get_context().rank
+        for step in range(3):
+            dask_ddp.report(step=step, x=1.0)
+            dist.all_reduce(torch.ones(1))
+        if rank == 1 and not inside:
+            while True:
+                time.sleep(1)  # rank 1 hangs outside a collective: rank 0 then waits inside one
+        if rank == 1 and inside:
+            dist.barrier()  # ranks disagree on the collective: both hang inside one
+        dist.all_reduce(torch.ones(1))
+        time.sleep(600)
+
+    t0 = time.time()
+    job = run(client, hang, inside_collective, stall_timeout=3)
+    with pytest.raises(dask_ddp.StallError, match="stalled") as info:
+        job.result(timeout=120)
+    took = time.time() - t0
+    err = info.value
+    assert set(err.stacks) == {0, 1}
+    assert "hang" in err.stacks[0] and "hang" in err.stacks[1]
+    assert ("barrier" if inside_collective else "sleep") in err.stacks[1]
+    assert "rank 1" in str(err) or "rank 0" in str(err)
+    print(f"stall (inside collective={inside_collective}) detected after {took:.1f} s with stall_timeout=3")
+    assert took < 60
+    assert leftover_processes(client) == []
+
+
+def test_slow_start_is_not_a_stall(client):
+    def slow_start():
+        with dask_ddp.rank_zero_first():
+            if dask_ddp.get_context().rank == 0:
+                time.sleep(4)  # longer than stall_timeout, but before any report
+        for step in range(3):
+            dask_ddp.report(step=step, x=1.0)
+        return "ok"
+
+    assert run(client, slow_start, stall_timeout=2).result(timeout=120) == ["ok", "ok"]
+
+
+def test_error_before_the_process_group_exists(client):
+    class Poison:
+        def __reduce__(self):
+            return (_explode, ())
+
+    job = run(client, lambda p: p, Poison())
+    with pytest.raises(RuntimeError, match="cannot be rebuilt on the worker"):
+        job.result(timeout=120)
+    assert leftover_processes(client) == []
+
+
+def _explode():
+    raise RuntimeError("this argument cannot be rebuilt on the worker")
+
+
+def test_restart_after_a_killed_rank(client):
+    client.wait_for_workers(2, timeout=60)
+
+    def flaky():
+        ctx = dask_ddp.get_context()
+        dask_ddp.report(step=0, attempt_seen=float(ctx.restart_count))
+        if ctx.restart_count == 0 and ctx.rank == 1:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        import torch
+        import torch.distributed as dist
+
+        dist.barrier()
+        return ctx.restart_count, os.environ["TORCHELASTIC_RESTART_COUNT"]
+
+    job = run(client, flaky, max_restarts=2)
+    assert job.result(timeout=180) == [(1, "1"), (1, "1")]
+    states = [h[2] for h in job.history]
+    assert states == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
+    assert "rank 1" in job.history[1][3] and "attempt 2/3" in job.history[1][3]
+    assert sorted(job.metrics["attempt"].unique()) == [0, 1]
+
+
+def deterministic_training(epochs, kill_at=None):
+    """CPU training that is bitwise repeatable: fixed seeds, DistributedSampler.set_epoch, checkpoints."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    ctx = dask_ddp.get_context()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 10, generator=g), torch.randint(0, 3, (256,), generator=g))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    start = 0
+    state = dask_ddp.load_checkpoint()
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start = state["epoch"] + 1
+    for epoch in range(start, epochs):
+        sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(DataLoader(data, batch_size=16, sampler=sampler)):
+            if kill_at == (epoch, i) and ctx.restart_count == 0 and ctx.rank == 1:
+                os.kill(os.getppid(), signal.SIGKILL)  # SIGKILL this rank's Dask worker mid-epoch
+                time.sleep(60)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            dask_ddp.report(loss=loss, epoch=epoch)
+        sched.step()
+        dask_ddp.save_checkpoint({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                                  "scheduler": sched.state_dict(), "epoch": epoch}, step=epoch, keep=2)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_killed_and_restarted_training_is_bitwise_equal(client, tmp_path):
+    client.wait_for_workers(2, timeout=60)
+    clean = run(client, deterministic_training, 4, checkpoint_dir=str(tmp_path / "a")).result(timeout=300)
+    job = run(client, deterministic_training, 4, kill_at=(2, 3), max_restarts=1,
+              checkpoint_dir=str(tmp_path / "b"))
+    resumed = job.result(timeout=300)
+    assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
+    assert "lost its worker" in job.history[1][3]
+    assert (clean[0] == clean[1]).all()
+    assert all((a == b).all() for a, b in zip(clean, resumed)), "resumed training differs from the clean run"
+    assert leftover_processes(client) == []
