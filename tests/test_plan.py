@@ -1,0 +1,102 @@
+"""Rank planning and the failure policy: pure functions, no cluster."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import dask_ddp
+from dask_ddp.plan import WorkerInfo, make_plan, parse_address, torchrun_env, workers_from_scheduler_info
+from dask_ddp.policy import decide, root_cause
+from dask_ddp.supervisor import RankOutcome
+
+
+def w(addr, name):
+    host, port = parse_address(addr)
+    return WorkerInfo(addr, host, port, str(name))
+
+
+@pytest.mark.parametrize("workers, expected", [
+    # ports compared as numbers, not strings: 9000 < 10000
+    ([w("tcp://10.0.0.1:10000", "b"), w("tcp://10.0.0.1:9000", "b")], ["tcp://10.0.0.1:9000", "tcp://10.0.0.1:10000"]),
+    # hosts compared as addresses: 10.0.0.9 < 10.0.0.10
+    ([w("tcp://10.0.0.10:1", "x"), w("tcp://10.0.0.9:1", "x")], ["tcp://10.0.0.9:1", "tcp://10.0.0.10:1"]),
+    # dask-cuda names workers by GPU id: "2" < "10" within a host, whatever the ports
+    ([w("tcp://10.0.0.1:5", "10"), w("tcp://10.0.0.1:7", "2")], ["tcp://10.0.0.1:7", "tcp://10.0.0.1:5"]),
+])
+def test_rank_order(workers, expected):
+    assert make_plan(workers).addresses == expected
+
+
+def test_local_and_node_ranks_and_master():
+    ws = [w("tcp://10.0.0.2:1", "0"), w("tcp://10.0.0.1:2", "1"), w("tcp://10.0.0.1:1", "0"),
+          w("tcp://10.0.0.2:2", "1")]
+    plan = make_plan(ws)
+    got = [(r.rank, r.host, r.local_rank, r.node_rank, r.local_world_size, r.num_nodes) for r in plan.ranks]
+    assert got == [(0, "10.0.0.1", 0, 0, 2, 2), (1, "10.0.0.1", 1, 0, 2, 2),
+                   (2, "10.0.0.2", 0, 1, 2, 2), (3, "10.0.0.2", 1, 1, 2, 2)]
+    assert plan.master_addr == "10.0.0.1"
+    assert make_plan(ws, master_addr="head").master_addr == "head"
+    env = torchrun_env(plan.ranks[3], plan.master_addr, "run", 1, 3)
+    assert env["GROUP_RANK"] == "1" and env["LOCAL_RANK"] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert all(isinstance(v, str) for v in env.values())
+
+
+def test_selection_by_count_address_and_name():
+    ws = [w(f"tcp://127.0.0.1:{p}", f"w{i}") for i, p in enumerate([4000, 3000, 5000])]
+    assert make_plan(ws, 2).addresses == ["tcp://127.0.0.1:4000", "tcp://127.0.0.1:3000"]  # by name first
+    assert make_plan(ws, ["w2", "tcp://127.0.0.1:3000"]).addresses == ["tcp://127.0.0.1:3000", "tcp://127.0.0.1:5000"]
+
+
+@pytest.mark.parametrize("selection, message", [
+    (4, "asked for 4 workers, the cluster has 3"),
+    (0, "at least 1"),
+    (["nope"], "unknown worker"),
+    (["w0", "w0"], "same worker twice"),
+    ([], "names no worker"),
+    ("w0", "takes a count"),
+    (True, "takes a count"),
+])
+def test_bad_selection(selection, message):
+    ws = [w(f"tcp://127.0.0.1:{p}", f"w{i}") for i, p in enumerate([4000, 3000, 5000])]
+    with pytest.raises(dask_ddp.PlanError, match=message):
+        make_plan(ws, selection)
+
+
+def test_no_workers():
+    with pytest.raises(dask_ddp.PlanError, match="no workers"):
+        make_plan([])
+
+
+def test_scheduler_info_parsing():
+    info = {"workers": {"tcp://[::1]:40000": {"host": "::1", "name": 3}, "tcp://127.0.0.1:1": {"name": "a"}}}
+    got = sorted(workers_from_scheduler_info(info), key=lambda x: x.port)
+    assert [(x.host, x.port, x.name) for x in got] == [("127.0.0.1", 1, "a"), ("::1", 40000, "3")]
+
+
+def test_errors_pickle_with_fields():
+    err = dask_ddp.WorkerLostError("gone", rank=3, worker="tcp://h:1")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is dask_ddp.WorkerLostError and back.rank == 3 and back.worker == "tcp://h:1"
+    assert str(back) == "gone"
+    stall = pickle.loads(pickle.dumps(dask_ddp.StallError("s", stacks={0: "x"}, rank=0)))
+    assert stall.stacks == {0: "x"}
+
+
+def o(rank, status, t=0.0, secondary=False):
+    return RankOutcome(rank, f"tcp://h:{rank}", status, time=t, secondary=secondary)
+
+
+def test_policy_root_cause_and_decisions():
+    # a lost worker explains the others' broken collectives, even when they were noticed first
+    assert root_cause([o(0, "error", 1.0, True), o(1, "lost", 2.0)]).rank == 1
+    # first-hand errors before secondary collective errors, then the earliest
+    assert root_cause([o(0, "error", 1.0, True), o(1, "error", 2.0)]).rank == 1
+    assert root_cause([o(0, "error", 3.0), o(1, "error", 2.0), o(2, "aborted", 0.5)]).rank == 1
+    assert root_cause([o(0, "ok"), o(1, "aborted")]) is None
+    assert decide([o(0, "ok"), o(1, "ok")], cancelled=False, attempt=0, max_restarts=0).action == "finish"
+    d = decide([o(0, "died", 1), o(1, "aborted")], cancelled=False, attempt=0, max_restarts=2)
+    assert (d.action, d.root.rank) == ("restart", 0) and "attempt 2/3" in d.reason
+    assert decide([o(0, "died", 1)], cancelled=False, attempt=2, max_restarts=2).action == "fail"
+    assert decide([o(0, "error", 1)], cancelled=True, attempt=0, max_restarts=5).action == "fail"
