@@ -90,6 +90,8 @@ def _local_module(fn: Callable):
 
 def _check_pickles(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
     mod = _local_module(fn)
+    if mod is not None and mod.__name__ in cloudpickle.list_registry_pickle_by_value():
+        mod = None  # the user registered it already: leave it registered
     if mod is not None:
         cloudpickle.register_pickle_by_value(mod)
     try:
