@@ -49,11 +49,9 @@ def pil_loader(f: io.BufferedIOBase) -> Image.Image:
     Raises
     ------
     PIL.UnidentifiedImageError, OSError
-        The bytes are not a (complete) image. :class:`S3ImageFolder` re-raises
-        these as :class:`ImageDecodeError` naming the URL.
+        Not a (complete) image; :class:`S3ImageFolder` re-raises it as :class:`ImageDecodeError`.
     """
-    img = Image.open(f)
-    return img.convert("RGB")
+    return Image.open(f).convert("RGB")
 
 
 class _Options(dict):
@@ -61,8 +59,6 @@ class _Options(dict):
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
-
-    __str__ = __repr__
 
 
 @dataclass(frozen=True)
@@ -143,7 +139,7 @@ def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
     root : str or os.PathLike
         Any fsspec URL (``s3://bucket/prefix``, ``memory://x``, ``file:///x``) or a local path.
     storage_options : mapping, optional
-        Passed to the fsspec filesystem (``anon``, ``key``/``secret``, ``client_kwargs``, ...).
+        Passed to the fsspec filesystem, as in :class:`S3ImageFolder`.
 
     Raises
     ------
@@ -162,6 +158,7 @@ def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
     except Exception as err:
         builtin = _as_builtin(err, url, "listing it")
         if builtin is None:
+            err.add_note(f"while listing {url}")
             raise
         raise builtin from err
     prefix = fs_root if fs_root.endswith("/") else fs_root + "/"
@@ -240,7 +237,7 @@ class S3ImageFolder(ImageFolder):
     PermissionError
         The credentials were refused; the message names the URL, never the secret.
     ValueError
-        ``index`` was built for another root.
+        ``index`` was built for another root, or ``retries`` is negative.
     """
 
     def __init__(
@@ -257,6 +254,8 @@ class S3ImageFolder(ImageFolder):
         cache: str | os.PathLike | None = None,
         retries: int = 3,
     ):
+        if int(retries) < 0:
+            raise ValueError(f"retries must be 0 or more, got {retries}")
         url = _normalize_root(root)
         self.storage_options = _Options(storage_options or {})
         if index is None:
@@ -266,10 +265,8 @@ class S3ImageFolder(ImageFolder):
         self.index = index
         self.cache = os.fspath(cache) if cache is not None else None
         self.retries = int(retries)
-        self._fs, self._fs_pid = None, None
+        self._fs, self._fs_pid, self._base = None, None, url if url.endswith("/") else url + "/"
         super().__init__(url, transform, target_transform, loader, is_valid_file, allow_empty)
-
-    # -- listing-derived (torchvision's customization points) -----------------------------------
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         """Classes are the sorted immediate sub-folders of the root, from the index (no I/O).
@@ -304,10 +301,10 @@ class S3ImageFolder(ImageFolder):
             head, sep, _ = rel.partition("/")
             if sep:
                 by_class.setdefault(head, []).append(rel)
-        base = self.root if self.root.endswith("/") else self.root + "/"
         samples, empty = [], []
         for cls in sorted(class_to_idx):
-            found = [(base + rel, class_to_idx[cls]) for rel in by_class.get(cls, ()) if valid(base + rel)]
+            urls = (self._base + rel for rel in by_class.get(cls, ()))
+            found = [(url, class_to_idx[cls]) for url in urls if valid(url)]
             samples += found
             empty += [] if found else [cls]
         if empty and not allow_empty:
@@ -326,12 +323,9 @@ class S3ImageFolder(ImageFolder):
             The sample's path is not under the root (``samples`` was edited).
         """
         path = self.samples[index][0]
-        base = self.root if self.root.endswith("/") else self.root + "/"
-        if not path.startswith(base):
+        if not path.startswith(self._base):
             raise ValueError(f"sample {index} ({path}) is not under {self.root}")
-        return path[len(base):]
-
-    # -- per-process filesystem ----------------------------------------------------------------
+        return path[len(self._base):]
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -349,10 +343,8 @@ class S3ImageFolder(ImageFolder):
         state.update(_fs=None, _fs_pid=None)
         return state
 
-    # -- fetching --------------------------------------------------------------------------------
-
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        """``(sample, target)`` for one index; see :meth:`__getitems__` for the errors."""
+        """``(sample, target)``; raises as :meth:`__getitems__` does."""
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
@@ -388,14 +380,16 @@ class S3ImageFolder(ImageFolder):
         return sample, target
 
     def _fetch(self, urls: Sequence[str]) -> list[bytes]:
-        got = {u: b for u in dict.fromkeys(urls) if (b := self._cache_read(u)) is not None}
-        todo = [u for u in dict.fromkeys(urls) if u not in got]
+        unique = list(dict.fromkeys(urls))
+        got = {u: b for u in unique if (b := self._cache_read(u)) is not None} if self.cache else {}
+        todo = [u for u in unique if u not in got]
         for attempt in range(self.retries + 1):
             failed = []
             for url, result in zip(todo, self._cat(todo)):
                 if not isinstance(result, BaseException):
                     got[url] = result
-                    self._cache_write(url, result)
+                    if self.cache:
+                        self._cache_write(url, result)
                 elif attempt < self.retries and self._transient(result):
                     failed.append(url)
                 else:
@@ -424,9 +418,8 @@ class S3ImageFolder(ImageFolder):
         return out
 
     def _fs_path(self, url: str) -> str:
-        base = self.root if self.root.endswith("/") else self.root + "/"
-        if url.startswith(base):
-            return self._fs_root.rstrip("/") + "/" + url[len(base):]
+        if url.startswith(self._base):
+            return self._fs_root.rstrip("/") + "/" + url[len(self._base):]
         return self.fs._strip_protocol(url)
 
     @staticmethod
@@ -445,15 +438,11 @@ class S3ImageFolder(ImageFolder):
         err.add_note(f"while reading {url}")
         return err
 
-    # -- local cache -----------------------------------------------------------------------------
-
     def _cache_path(self, url: str) -> str:
         digest = hashlib.sha256(url.encode()).hexdigest()
         return os.path.join(self.cache, digest[:2], digest[2:])
 
     def _cache_read(self, url: str) -> bytes | None:
-        if self.cache is None:
-            return None
         try:
             with open(self._cache_path(url), "rb") as f:
                 return f.read()
@@ -461,8 +450,6 @@ class S3ImageFolder(ImageFolder):
             return None
 
     def _cache_write(self, url: str, blob: bytes) -> None:
-        if self.cache is None:
-            return
         path = self._cache_path(url)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
@@ -475,7 +462,4 @@ class S3ImageFolder(ImageFolder):
                 os.remove(tmp)
 
     def extra_repr(self) -> str:
-        lines = [f"Classes: {len(self.classes)}"]
-        if self.cache is not None:
-            lines.append(f"Cache: {self.cache}")
-        return "\n".join(lines)
+        return f"Classes: {len(self.classes)}" + (f"\nCache: {self.cache}" if self.cache else "")

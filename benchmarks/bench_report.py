@@ -1,0 +1,249 @@
+"""What ``dask_ddp.report()`` costs the training loop, and how fast its events reach the notebook.
+
+Usage::
+
+    python benchmarks/bench_report.py [--calls 100000] [--blocks 8] [--steps 100] [--burst 50000]
+                                      [--rate 200] [--seconds 10] [--out benchmarks/RESULTS_report.md]
+
+Two ranks on a ``LocalCluster(n_workers=2, threads_per_worker=1)``, gloo,
+CPU, ``torch.set_num_threads(1)`` in every rank. Before each measured job the
+benchmark waits until every worker's spare rank process has imported torch,
+so no spare starting in the background competes with the measurement.
+
+1. Cost of one call on the training thread: ``--calls`` calls of
+   ``report(loss=..., acc=...)`` in a tight loop on each rank, each timed
+   with ``time.perf_counter_ns`` (the timer's own cost, measured the same way
+   around nothing, is shown beside it).
+2. Per-step overhead: a small CNN (two 3x3 convolutions on random 1x28x28
+   batches of 32, DDP) trains in ``--blocks`` pairs of blocks of
+   ``--steps`` steps, one block reporting ``report(loss=loss)`` every step and
+   one not reporting, alternating which goes first. The overhead is the
+   median over pairs of (time with reports / time without - 1), which also
+   counts what report() costs off the training thread (the flusher thread,
+   the supervisor, the scheduler and the client share the CPUs); the time
+   spent inside the report() calls is shown as a share of the loop as well.
+   On a busy machine the paired ratio is noisy: read its spread.
+3. End-to-end throughput: each rank reports ``--burst`` times as fast as it
+   can; events/s is all events over the time from the first report to the
+   client's callback receiving the last one.
+4. End-to-end delay: each rank reports ``--rate`` times a second for
+   ``--seconds``; the delay is the client callback's ``time.time()`` minus
+   the event's ``time`` (same machine, same clock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import dask_ddp
+
+# ---- run on the ranks ------------------------------------------------------------------------------------------
+
+
+def report_cost(calls):
+    """Time every call of report() on this rank; return percentiles in microseconds."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    clock = time.perf_counter_ns
+    spent, empty = [0] * calls, [0] * calls
+    for i in range(calls):
+        t0 = clock()
+        t1 = clock()
+        empty[i] = t1 - t0
+    for i in range(calls):
+        t0 = clock()
+        dask_ddp.report(loss=0.25, acc=0.5)
+        spent[i] = clock() - t0
+    return {"report": _percentiles(spent), "timer": _percentiles(empty)}
+
+
+def _percentiles(ns):
+    ns = sorted(ns)
+    pick = lambda q: ns[min(len(ns) - 1, int(q * len(ns)))] / 1000  # noqa: E731
+    return {"median": pick(0.5), "p99": pick(0.99), "mean": sum(ns) / len(ns) / 1000, "max": ns[-1] / 1000}
+
+
+def step_overhead(blocks, steps):
+    """Median seconds per training step with and without report() every step, in alternating blocks."""
+    import statistics
+    import time
+
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x, y = torch.randn(32, 1, 28, 28, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+
+    inside = []  # seconds spent inside report() calls, per reporting block
+
+    def block(n, reporting):
+        spent = 0.0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if reporting:
+                t1 = time.perf_counter()
+                dask_ddp.report(loss=loss)
+                spent += time.perf_counter() - t1
+        took = time.perf_counter() - t0
+        if reporting:
+            inside.append(spent / took)
+        return took / n
+
+    block(30, False)  # warm-up
+    on, off = [], []
+    for b in range(blocks):
+        for reporting in ((True, False) if b % 2 else (False, True)):
+            (on if reporting else off).append(block(steps, reporting))
+    pairs = [a / b - 1 for a, b in zip(on, off)]
+    return {"on": statistics.median(on), "off": statistics.median(off), "pairs": pairs,
+            "inside": statistics.median(inside)}
+
+
+def burst(n):
+    """Report n times as fast as possible; return when the first report was made."""
+    import time
+
+    first = time.time()
+    for i in range(n):
+        dask_ddp.report(x=i)
+    return first
+
+
+def paced(rate, seconds):
+    """Report ``rate`` times a second for ``seconds`` (a training loop of rate steps/s)."""
+    import time
+
+    period, start = 1.0 / rate, time.perf_counter()
+    for i in range(int(rate * seconds)):
+        while time.perf_counter() < start + i * period:
+            time.sleep(min(period / 4, 0.001))
+        dask_ddp.report(x=i)
+
+
+# ---- the client side -------------------------------------------------------------------------------------------
+
+
+def _spare_ready() -> str:
+    from dask_ddp.supervisor import _SPARES
+
+    spare = _SPARES._spare
+    return "ready" if spare is not None and spare.conn.poll(0) else "starting"
+
+
+def wait_warm(client, limit=120.0):
+    deadline = time.monotonic() + limit
+    while set(client.run(_spare_ready).values()) != {"ready"}:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the workers' spare rank processes did not start")
+        time.sleep(0.2)
+
+
+class Arrivals:
+    """A plain callback: the client's time of arrival of every metric event, with the event's own time."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, event):
+        if event.get("kind") == "metric":
+            self.rows.append((time.time(), event["time"]))
+
+
+def run_job(client, fn, *args, callbacks=(), warm=True):
+    from dask_ddp import dispatch
+
+    if warm:
+        wait_warm(client)
+    job = dispatch.run(client, fn, *args, progress=False, callbacks=list(callbacks))
+    return job, job.result(timeout=600)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=100_000)
+    ap.add_argument("--blocks", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--burst", type=int, default=50_000)
+    ap.add_argument("--rate", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_report.md")))
+    args = ap.parse_args(argv)
+
+    import dask
+    from dask.distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.run(lambda: None)
+        run_job(client, lambda: None, warm=False)  # no spares yet: start the first rank processes
+        flush = dask.config.get("ddp.events.flush-interval")
+
+        _, costs = run_job(client, report_cost, args.calls)
+        _, over = run_job(client, step_overhead, args.blocks, args.steps)
+        arrivals = Arrivals()
+        job, firsts = run_job(client, burst, args.burst, callbacks=[arrivals])
+        n_burst = len(job.metrics)
+        elapsed = arrivals.rows[-1][0] - min(firsts)
+        lag = Arrivals()
+        job_paced, _ = run_job(client, paced, args.rate, args.seconds, callbacks=[lag])
+        delays = [(got - sent) * 1000 for got, sent in lag.rows]
+
+    rows = []
+    for rank, c in enumerate(costs):
+        rows.append((f"report() on the training thread, rank {rank}, {args.calls:,} calls (us)",
+                     f"{c['report']['median']:.1f}", f"{c['report']['p99']:.1f}",
+                     f"mean {c['report']['mean']:.1f}, max {c['report']['max']:.0f}; timer alone: median "
+                     f"{c['timer']['median']:.2f}, p99 {c['timer']['p99']:.2f}"))
+    for rank, o in enumerate(over):
+        pairs = sorted(o["pairs"])
+        rows.append((f"CNN step, rank {rank}: without report -> with report every step (ms)",
+                     f"{o['off'] * 1000:.2f} -> {o['on'] * 1000:.2f}", "",
+                     f"overhead (goal < 1 %): median of {len(pairs)} paired blocks {statistics.median(pairs) * 100:+.2f} %"
+                     f" (middle half {pct(pairs, 0.25) * 100:+.1f} to {pct(pairs, 0.75) * 100:+.1f} %); time inside "
+                     f"report() {o['inside'] * 100:.3f} % of the loop"))
+    rows.append((f"events/s, 2 ranks x {args.burst:,} reports to the client's callback",
+                 f"{n_burst / elapsed:,.0f}", "", f"{n_burst:,} events in {elapsed:.2f} s"))
+    rows.append((f"delay report() -> client callback, 2 ranks x {args.rate}/s for {args.seconds:g} s (ms)",
+                 f"{statistics.median(delays):.0f}", f"{pct(delays, 0.99):.0f}",
+                 f"{len(delays):,} events; max {max(delays):.0f}; ddp.events.flush-interval {flush} s"))
+
+    head = ("| measure | median | p99 | notes |", "|---|---|---|---|")
+    table = "\n".join(head + tuple(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows))
+    load = os.getloadavg()
+    meta = (f"{datetime.datetime.now().isoformat(timespec='seconds')}, {platform.node()}, "
+            f"{os.cpu_count()} CPUs, load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, "
+            f"Python {platform.python_version()}, torch {__import__('torch').__version__}")
+    text = f"# report() benchmark\n\n{meta}\n\n`python {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}`\n\n{table}\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Run an unchanged torchrun-style script as the function of a dask-ddp rank (``dask-ddp run``).
+
+The script travels by value: :func:`load_script` reads and compiles it on the
+client, so a syntax error is reported before anything ships and the workers
+need not share a filesystem with the client. On each rank, :func:`run_script`
+executes it as ``__main__`` the way ``python script.py ARGS`` would, with
+torchrun's environment already set by the rank process.
+
+Why :func:`run_script` leaves the process group first: the rank process has
+initialised the default group before calling its function, and the script's
+own ``dist.init_process_group(...)`` would fail with "initialize the default
+process group twice". After ``destroy_process_group()`` the rendezvous store
+lives on (rank 0's process holds it, at ``MASTER_ADDR:MASTER_PORT``), but an
+``env://`` init would make the script's rank 0 *bind* that port again
+(``EADDRINUSE``). ``TORCHELASTIC_USE_AGENT_STORE=True`` is what torchrun sets
+for the same situation (its agent hosts the store): every rank, rank 0
+included, then connects to the existing store as a client. The script's
+group keys live under torch's ``default_pg`` prefix, apart from the first
+group's.
+
+Caveats: only the script itself ships. ``sys.path[0]`` and ``__file__`` point
+to a private temporary folder holding a copy of it, so imports of sibling
+modules and data files found next to ``__file__`` must be installed on, or
+reachable from, the workers.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import linecache
+import os
+import shutil
+import sys
+import tempfile
+import types
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .errors import RankFailedError
+
+__all__ = ["Script", "ScriptExitError", "load_script", "run_script"]
+
+
+class ScriptExitError(RankFailedError):
+    """A script called ``sys.exit`` with a non-zero code (or a message) on a rank; ``code`` keeps it."""
+
+    def __init__(self, message: str, *, code=None, **kw):
+        super().__init__(message, **kw)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Script:
+    """A script read on the client: its path there (the code's file name), its text and its arguments."""
+
+    path: str
+    source: str
+    argv: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+def load_script(path: str | os.PathLike, argv: Sequence[str] = ()) -> Script:
+    """Read a Python script on the client and check that it compiles.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The script, as ``python path`` would take it.
+    argv : sequence of str
+        Its command-line arguments (``sys.argv[1:]`` on the ranks).
+
+    Raises
+    ------
+    FileNotFoundError, IsADirectoryError, PermissionError
+        The script cannot be read; the message names the path.
+    SyntaxError
+        The script does not compile (file name and line as Python reports them).
+    ValueError
+        The script is not UTF-8 text.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory: give the path of a Python script")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such script: {path}") from None
+    try:
+        source = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (a Python script?): {exc}") from None
+    compile(source, path, "exec")  # SyntaxError here, on the client, before anything ships
+    return Script(path=path, source=source, argv=tuple(str(a) for a in argv))
+
+
+def run_script(script: Script) -> int:
+    """Run ``script`` as ``__main__`` on this rank; return 0 when it ends or exits with code 0.
+
+    Call it only as the function of ``dask_ddp.dispatch.run``: it leaves the
+    rank's process group so that the script can initialise its own (``env://``
+    through the existing rendezvous store; see the module docstring).
+
+    Raises
+    ------
+    NotInRankError
+        Outside a dask-ddp rank.
+    ScriptExitError
+        The script called ``sys.exit`` with a non-zero code or a message.
+    Exception
+        Whatever the script raised, unchanged (the client re-raises it with its type).
+    """
+    import torch.distributed as dist
+
+    from .context import get_context
+
+    ctx = get_context()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # connect to rank 0's store; never bind it again
+    code = compile(script.source, script.path, "exec")
+    # the client has the file, so tracebacks formatted there show its lines; here, serve them from memory
+    linecache.cache[script.path] = (len(script.source), None, script.source.splitlines(True), script.path)
+    try:
+        with _as_main(script) as namespace:
+            exec(code, namespace)  # noqa: S102 - running the user's script is the point
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            return 0
+        what = f"code {exc.code}" if isinstance(exc.code, int) else f"message {exc.code!r} (code 1)"
+        raise ScriptExitError(f"{script.name} called sys.exit with {what} on rank {ctx.rank}",
+                              code=exc.code, rank=ctx.rank, worker=ctx.worker) from None
+    return 0
+
+
+@contextlib.contextmanager
+def _as_main(script: Script) -> Iterator[dict]:
+    """A fresh ``__main__`` module for the script, with ``sys.argv`` and ``sys.path[0]`` as ``python`` sets them.
+
+    The copy on disk serves ``__file__`` and multiprocessing's spawn start method
+    (which re-imports ``__main__`` from its file); it is removed afterwards.
+    """
+    folder = tempfile.mkdtemp(prefix="dask-ddp-script-")
+    copy = os.path.join(folder, script.name)
+    with open(copy, "w", encoding="utf-8") as f:
+        f.write(script.source)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=copy, __builtins__=builtins, __spec__=None, __loader__=None,
+                         __package__=None, __cached__=None)
+    saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
+    sys.modules["__main__"], sys.argv = main, [copy, *script.argv]
+    sys.path.insert(0, folder)
+    try:
+        yield main.__dict__
+    finally:
+        if saved[0] is not None:
+            sys.modules["__main__"] = saved[0]
+        sys.argv, sys.path[:] = saved[1], saved[2]
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,38 @@
+"""The API of dask-pytorch-ddp 0.2.2, on dask-ddp's engine.
+
+Code written for dask-pytorch-ddp runs after changing one import::
+
+    # from dask_pytorch_ddp import dispatch, results
+    from dask_ddp.compat import dispatch, results
+
+    futures = dispatch.run(client, train, bucket=..., backend="nccl")
+    rh = results.DaskResultsHandler(key)
+    rh.process_results("training/", futures, raise_errors=False)
+
+What stays the same: :func:`dispatch.run` returns one Dask future per worker,
+in rank order, for ``distributed.wait`` and ``client.gather``; each gives
+its rank's return value or raises its rank's error. ``backend`` defaults to
+``"nccl"``; ``pass_local_rank=True`` passes ``local_rank=`` to the function.
+Inside the function ``torch.distributed`` is initialised, and ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` are set (with the rest of
+torchrun's variables). :class:`results.DaskResultsHandler` moves small
+results from the ranks to files under a local directory.
+
+What is better: the rendezvous port is picked by the OS (0.2.2 used the
+fixed port 23456), a failed rank stops the others instead of leaving them
+hanging in a collective, each rank runs in a child process of its worker, so
+``DataLoader(num_workers>0)`` works without ``distributed.worker.daemon:
+False``, and the ranks' output is echoed on the client. Positional ``*args``
+work (0.2.2 could only pass keyword arguments).
+
+What differs: ``backend="nccl"`` on a worker without a GPU fails at once
+with :class:`dask_ddp.PlanError` (0.2.2 failed inside torch); pass
+``backend="gloo"`` (or ``"auto"``) on CPU. A result over 64 KiB is refused:
+write checkpoints with :func:`dask_ddp.save_checkpoint` instead.
+``submit_result`` works only inside a function started by
+:func:`dispatch.run` (0.2.2's Pub worked in any Dask task).
+"""
+
+from . import dispatch, results
+
+__all__ = ["dispatch", "results"]

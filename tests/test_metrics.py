@@ -1,0 +1,388 @@
+"""Metrics and logs from the ranks to the notebook, the sinks, callbacks and plots.
+
+Three jobs on one real LocalCluster carry the integration checks (a busy job
+with sinks and callbacks, a failing job, a job with bad reports and a live
+stream); the sinks and the plot also get unit tests on synthetic events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import sys
+import time
+import traceback
+import uuid
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import fsspec  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+from dask.distributed import Client, LocalCluster  # noqa: E402
+
+import dask_ddp  # noqa: E402
+from dask_ddp import dispatch  # noqa: E402
+from dask_ddp.events import Subscription  # noqa: E402
+from dask_ddp.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
+
+from _cluster import leftover_processes  # noqa: E402
+
+N_REPORTS = 10_000
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+# ---- functions run on the ranks --------------------------------------------------------------------------
+
+def chatty(n):
+    """Talks on every channel, then reports ``n`` times as fast as it can; ``late`` appears halfway."""
+    ctx = dask_ddp.get_context()
+    print(f"hello from print on rank {ctx.rank}")
+    print(f"hello from stderr on rank {ctx.rank}", file=sys.stderr)
+    logging.getLogger("user.train").info("hello from logging on rank %d", ctx.rank)
+    for i in range(n):
+        if i < n // 2:
+            dask_ddp.report(loss=1.0 / (i + 1))
+        else:
+            dask_ddp.report(loss=1.0 / (i + 1), late=i)
+    return ctx.rank
+
+
+def fails_after_reports(n):
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    for i in range(n):
+        dask_ddp.report(loss=float(i))
+    if ctx.rank == 1:
+        raise ValueError("rank one gave up")
+    dist.barrier()  # rank 0 waits for a rank that never comes; it is stopped
+    time.sleep(60)
+
+
+def bad_reports_then_some():
+    import torch
+
+    ctx = dask_ddp.get_context()
+    errors = {}
+    calls = {"text": lambda: dask_ddp.report(loss="high"), "reserved": lambda: dask_ddp.report(rank=3),
+             "name": lambda: dask_ddp.report({1: 2.0}), "tensor": lambda: dask_ddp.report(acc=torch.ones(2)),
+             "step": lambda: dask_ddp.report(loss=1.0, step=1.5)}
+    for name, call in calls.items():
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - collected for the client to check
+            errors[name] = (type(exc).__name__, str(exc))
+    for step in range(5):
+        dask_ddp.report(loss=torch.tensor(1.0 / (step + 1)), acc=np.float32(step / 10 + ctx.rank), step=step)
+        time.sleep(0.05)
+    return errors
+
+
+# ---- callbacks --------------------------------------------------------------------------------------------
+
+class Broken:
+    """Raises in every hook: the job must finish anyway, and it is called once, then disabled."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_metrics(self, event):
+        self.calls += 1
+        raise RuntimeError("broken sink")
+
+    def on_finish(self, job):
+        self.calls += 1
+        raise RuntimeError("broken finish")
+
+
+class Recorder:
+    def __init__(self):
+        self.hooks = []
+
+    def on_start(self, job):
+        self.hooks.append("start")
+
+    def on_failure(self, job, error):
+        self.hooks.append("failure")
+
+    def on_finish(self, job):
+        self.hooks.append("finish")
+
+
+# ---- the busy job -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def busy(client, tmp_path_factory):
+    """One run of ``chatty`` with sinks and callbacks attached and progress on (output captured)."""
+    tmp = tmp_path_factory.mktemp("busy")
+    mem = f"memory://busy-{uuid.uuid4().hex[:8]}/metrics.jsonl"
+    plain_events, broken, recorder = [], Broken(), Recorder()
+    callbacks = [JSONLinesSink(str(tmp / "deep" / "dir" / "metrics.jsonl")), JSONLinesSink(mem),
+                 CSVSink(str(tmp / "metrics.csv"), flush_interval=0), broken, plain_events.append, recorder]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        job = dispatch.run(client, chatty, N_REPORTS, callbacks=callbacks, progress=True)
+        values = job.result(timeout=180)
+    return {"job": job, "values": values, "tmp": tmp, "mem": mem, "plain": plain_events, "broken": broken,
+            "recorder": recorder, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def test_every_report_arrives_in_order(busy):
+    job, m = busy["job"], busy["job"].metrics
+    assert busy["values"] == [0, 1] and job.state == "FINISHED"
+    assert len(m) == 2 * N_REPORTS
+    assert list(m.columns[:4]) == ["rank", "attempt", "step", "time"] and {"loss", "late"} <= set(m.columns)
+    for rank in (0, 1):
+        steps = m.loc[m["rank"] == rank, "step"].to_numpy()  # in arrival order
+        assert (np.diff(steps) > 0).all(), f"rank {rank}'s steps arrived out of order"
+        assert steps.tolist() == list(range(N_REPORTS))
+    assert m["late"].isna().sum() == N_REPORTS  # the first half of each rank had no 'late'
+
+
+def test_logs_carry_rank_prefixes_from_print_stderr_and_logging(busy):
+    logs = busy["job"].logs
+    for r in (0, 1):
+        assert f"[rank {r}] hello from print on rank {r}" in logs
+        assert f"[rank {r}] hello from stderr on rank {r}" in logs
+        assert f"[rank {r}] INFO user.train: hello from logging on rank {r}" in logs
+    streams = {e["stream"] for e in busy["job"].events if e["kind"] == "log"}
+    assert {"stdout", "stderr", "logging"} <= streams
+    assert f"[rank 0] hello from print on rank 0" in busy["stdout"]  # echoed in the notebook
+
+
+def test_progress_bar_is_drawn_when_asked(busy):
+    job = busy["job"]
+    assert f"{job.run_id} FINISHED" in busy["stderr"] and "step" in busy["stderr"]
+    assert f"{N_REPORTS}" in busy["stderr"]  # the bar reached the last step
+
+
+def test_sinks_read_back(busy):
+    m = busy["job"].metrics
+    local = busy["tmp"] / "deep" / "dir" / "metrics.jsonl"
+    for text in (local.read_text(), fsspec.filesystem("memory").cat(busy["mem"].split("://")[1]).decode()):
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert len(rows) == len(m) and "kind" not in rows[0]
+        assert pd.DataFrame(rows)[["rank", "step", "loss"]].equals(m[["rank", "step", "loss"]])
+    csv = pd.read_csv(busy["tmp"] / "metrics.csv")
+    assert list(csv.columns) == ["rank", "attempt", "step", "time", "loss", "late"]
+    assert len(csv) == len(m) and csv["late"].isna().sum() == N_REPORTS
+    assert np.allclose(csv["loss"], m["loss"]) and csv["step"].tolist() == m["step"].tolist()
+
+
+def test_broken_callback_is_disabled_and_changes_nothing(busy):
+    assert busy["job"].state == "FINISHED" and busy["values"] == [0, 1]
+    assert busy["broken"].calls == 1, "a broken callback is called once, then disabled"
+    assert busy["recorder"].hooks == ["start", "finish"]
+    plain = busy["plain"]
+    assert sum(e["kind"] == "metric" for e in plain) == 2 * N_REPORTS
+    assert any(e["kind"] == "log" for e in plain)
+
+
+def test_stream_yields_every_event_then_ends(busy):
+    job = busy["job"]
+    seen = list(job.stream(timeout=10))
+    assert seen == job.events and len(seen) > 2 * N_REPORTS
+    assert {e["kind"] for e in seen} == {"metric", "log"}
+
+
+def test_plot_returns_matplotlib_axes(busy):
+    import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
+
+    axes = busy["job"].plot()
+    assert isinstance(axes, np.ndarray) and [a.get_ylabel() for a in axes] == ["loss", "late"]
+    assert all(len(a.get_lines()) == 2 for a in axes)  # one line per rank
+    ax = busy["job"].plot("loss")
+    assert isinstance(ax, Axes) and [line.get_label() for line in ax.get_lines()] == ["rank 0", "rank 1"]
+    plt.close("all")
+
+
+# ---- failure ------------------------------------------------------------------------------------------------
+
+def test_failing_rank_last_reports_arrive_and_traceback_once(client, capsys):
+    job = dispatch.run(client, fails_after_reports, 7, progress=False)
+    with pytest.raises(ValueError, match="rank one gave up") as info:
+        job.result(timeout=120)
+    m = job.metrics
+    assert m.loc[m["rank"] == 1, "step"].tolist() == list(range(7)), "the failing rank's last reports are lost"
+    text = "".join(traceback.format_exception(info.value))
+    assert "fails_after_reports" in text and 'raise ValueError("rank one gave up")' in text
+    assert text.count("Traceback (most recent call last)") == 1
+    assert not any("Traceback" in line or "gave up" in line for line in job.logs), job.logs
+    captured = capsys.readouterr()
+    assert "gave up" not in captured.out and "Traceback" not in captured.err
+    assert "step/s" not in captured.err and f"{job.run_id}:" not in captured.err, "progress=False drew a bar"
+    assert leftover_processes(client) == []
+
+
+# ---- bad input, live stream, TensorBoard ---------------------------------------------------------------------
+
+def test_bad_reports_name_the_key_and_a_live_stream_and_tensorboard(client, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = dispatch.run(client, bad_reports_then_some, progress=False, callbacks=[TensorBoardSink(tmp_path / "tb")])
+    live = []
+    for event in job.stream(timeout=120):  # consumed while the job runs; ends by itself
+        live.append(event)
+    errors = job.result(timeout=10)[0]
+    assert errors["text"][0] == "TypeError" and "loss" in errors["text"][1] and "str" in errors["text"][1]
+    assert errors["reserved"][0] == "ValueError" and "'rank' is a reserved name" in errors["reserved"][1]
+    assert errors["name"][0] == "TypeError" and "1" in errors["name"][1]
+    assert errors["tensor"][0] == "TypeError" and "acc" in errors["tensor"][1]
+    assert errors["step"][0] == "TypeError" and "step" in errors["step"][1]
+    assert live == job.events and sum(e["kind"] == "metric" for e in live) == 10
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["acc/rank0", "acc/rank1", "loss/rank0", "loss/rank1"]
+    loss1 = acc.Scalars("loss/rank1")
+    assert [s.step for s in loss1] == list(range(5))
+    assert np.allclose([s.value for s in loss1], [1.0 / (s + 1) for s in range(5)])
+    assert np.allclose([s.value for s in acc.Scalars("acc/rank1")], [1 + s / 10 for s in range(5)])
+
+
+def test_report_outside_a_rank():
+    with pytest.raises(dask_ddp.NotInRankError, match="outside a dask-ddp rank"):
+        dask_ddp.report(loss=1.0)
+
+
+# ---- events: late subscription ------------------------------------------------------------------------------
+
+def _batch(seq):
+    return {"run": "r-0", "rank": 0, "attempt": 0, "seq": seq,
+            "items": [{"kind": "metric", "rank": 0, "attempt": 0, "step": seq, "time": time.time(), "x": seq}]}
+
+
+def _drain(sub, want, timeout=10.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        try:
+            msg = sub.queue.get(timeout=0.1)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            continue
+        if sub.accept(msg):
+            got.append(msg["seq"])
+    return got
+
+
+def test_subscription_backfills_what_was_logged_before_it(client):
+    topic = f"dask-ddp-test-{uuid.uuid4().hex[:8]}"
+    for seq in (0, 1):
+        client.log_event(topic, _batch(seq))
+    deadline = time.monotonic() + 10
+    while len(client.get_events(topic)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sub = Subscription(client, topic)  # subscribing does not replay the past ...
+    try:
+        sub.backfill()  # ... the backfill does
+        assert _drain(sub, 2) == [0, 1]
+        client.log_event(topic, _batch(2))  # live delivery after subscribing
+        assert _drain(sub, 1) == [2]
+        sub.backfill()  # a second backfill brings duplicates only: all dropped
+        assert _drain(sub, 1, timeout=1.0) == []
+        assert sub.have_all(0, 0, 2) and sub.last_seq[(0, 0)] == 2
+    finally:
+        sub.close()
+
+
+# ---- sinks and plot without a cluster -----------------------------------------------------------------------
+
+def _event(rank, step, **values):
+    return {"kind": "metric", "rank": rank, "attempt": 0, "step": step, "time": 1000.0 + step, **values}
+
+
+def test_jsonl_sink_is_lazy_flushes_and_closes(tmp_path):
+    path = tmp_path / "a" / "m.jsonl"
+    sink = JSONLinesSink(str(path), flush_interval=0)
+    assert not path.exists(), "a sink must not create a file before the first event"
+    sink.on_metrics(_event(0, 0, loss=0.5))
+    assert json.loads(path.read_text()) == {"rank": 0, "attempt": 0, "step": 0, "time": 1000.0, "loss": 0.5}
+    sink.on_metrics(_event(1, 0, loss=0.25))
+    sink.on_finish(None)
+    sink.on_finish(None)  # twice is harmless
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_csv_sink_rewrites_the_file_when_a_column_appears(tmp_path):
+    path = tmp_path / "m.csv"
+    sink = CSVSink(str(path), flush_interval=0)
+    sink.on_metrics(_event(0, 0, loss=0.5))
+    sink.on_metrics(_event(0, 1, loss=0.4))
+    assert path.read_text().splitlines() == ["rank,attempt,step,time,loss", "0,0,0,1000.0,0.5", "0,0,1,1001.0,0.4"]
+    sink.on_metrics(_event(0, 2, loss=0.3, val_loss=0.9))  # a new column after rows were written
+    sink.on_metrics(_event(1, 2, loss=0.3))
+    sink.on_finish(None)
+    df = pd.read_csv(path)
+    assert list(df.columns) == ["rank", "attempt", "step", "time", "loss", "val_loss"]
+    assert df["loss"].tolist() == [0.5, 0.4, 0.3, 0.3] and df["val_loss"].isna().tolist() == [True, True, False, True]
+
+
+def test_csv_sink_buffers_between_flushes_and_writes_at_finish():
+    url = f"memory://csv-{uuid.uuid4().hex[:8]}/m.csv"
+    sink = CSVSink(url, flush_interval=3600)
+    for step in range(3):
+        sink.on_metrics(_event(0, step, loss=1.0, **({"acc": 0.5} if step == 2 else {})))
+    sink.on_finish(None)
+    with fsspec.open(url, "r") as f:
+        df = pd.read_csv(f)
+    assert list(df.columns) == ["rank", "attempt", "step", "time", "loss", "acc"] and len(df) == 3
+
+
+def test_sinks_write_to_s3(s3):
+    import s3fs
+
+    base = f"s3://{s3['bucket']}/runs"
+    sinks = [JSONLinesSink(f"{base}/m.jsonl", s3["storage_options"]), CSVSink(f"{base}/m.csv", s3["storage_options"])]
+    for sink in sinks:
+        for step in range(3):
+            sink.on_metrics(_event(0, step, loss=1.0 / (step + 1)))
+        sink.on_finish(None)
+    fs = s3fs.S3FileSystem(**s3["storage_options"])
+    assert len(fs.cat(f"{base}/m.jsonl").decode().splitlines()) == 3
+    assert fs.cat(f"{base}/m.csv").decode().splitlines()[0] == "rank,attempt,step,time,loss"
+
+
+def test_sink_that_cannot_open_names_the_url(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    sink = JSONLinesSink(str(blocker / "m.jsonl"))
+    with pytest.raises(OSError, match="could not open .*file/m.jsonl"):
+        sink.on_metrics(_event(0, 0, loss=1.0))
+    with pytest.raises(TypeError, match="path or fsspec URL"):
+        CSVSink(None)
+
+
+def test_plot_metrics_per_rank_attempts_and_errors():
+    import matplotlib.pyplot as plt
+
+    rows = [_event(r, s, loss=1.0 / (s + 1), **({"val": 0.1 * s} if s % 5 == 0 else {}))
+            for r in (0, 1) for s in range(10)]
+    rows += [dict(_event(0, s, loss=0.5), attempt=1) for s in range(3)]
+    df = pd.DataFrame(rows).drop(columns="kind")
+    axes = plot_metrics(df)
+    assert [a.get_ylabel() for a in axes] == ["loss", "val"]
+    assert [line.get_label() for line in axes[0].get_lines()] == [
+        "rank 0 (attempt 1)", "rank 0 (attempt 2)", "rank 1 (attempt 1)"]
+    assert len(axes[1].get_lines()[0].get_xdata()) == 2  # NaNs dropped: the 'val' points are connected
+    fig, ax = plt.subplots()
+    assert plot_metrics(df, y=["loss", "val"], x="time", ax=ax) is ax
+    assert "loss rank 0 (attempt 1)" in [line.get_label() for line in ax.get_lines()]
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        plot_metrics(df, y="nope")
+    with pytest.raises(ValueError, match="plot\\(x='wall'\\)"):
+        plot_metrics(df, x="wall")
+    with pytest.raises(ValueError, match="no metrics were reported yet"):
+        plot_metrics(df.iloc[:0])
+    plt.close("all")

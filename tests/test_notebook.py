@@ -1,0 +1,57 @@
+"""``examples/notebook.ipynb`` runs end to end in a real Jupyter kernel (nbclient), as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
+
+
+@pytest.fixture
+def kernel_name(tmp_path, monkeypatch):
+    """A kernelspec for this very interpreter, found through JUPYTER_PATH (nothing installed for the user)."""
+    spec = tmp_path / "jupyter" / "kernels" / "dask-ddp-test"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "dask-ddp test", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    return "dask-ddp-test"
+
+
+def _text(output) -> str:
+    if output.get("output_type") == "stream":
+        return output.get("text", "")
+    data = output.get("data", {})
+    return data.get("text/plain", "") + data.get("text/html", "")
+
+
+def test_notebook_runs_end_to_end(kernel_name, tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = "\n".join(_text(o) for c in code for o in c.outputs)
+    assert "Traceback" not in text, text
+
+    final = re.search(r"final loss: (\d+\.\d+)", text)
+    assert final, text
+    assert float(final.group(1)) < 0.01, "the model did not learn y = x @ w"
+    assert "[rank 0] step 0: loss" in text  # the rank's print, echoed in the notebook
+
+    tail = next(c for c in code if "job.metrics.tail()" in c.source)
+    assert "loss" in _text(tail.outputs[0]) and "rank" in _text(tail.outputs[0])
+    plot = next(c for c in code if "job.plot(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in plot.outputs), "job.plot() drew no figure"
