@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_dispatch.py [--repeats 5] [--refill-wait 6] [--out benchmarks/RESULTS_dispatch.md]
+    python benchmarks/bench_dispatch.py --parts cnn --no-malloc-trim --append   # the workaround below
 
 Both sides run literally the same training functions (``train_linear`` and
 ``train_cnn`` below): dask-ddp ships them by value; for torchrun their source
@@ -17,15 +18,23 @@ calls ``init_process_group("gloo")`` itself. Two ranks, gloo, CPU, and
      each job the benchmark sleeps ``--refill-wait`` seconds (default 6) and
      then also waits until each worker's spare rank process (started in the
      background by the previous job) reports that it has imported torch.
-   * dask-ddp back-to-back: the same jobs with no pause in between; the spare
-     of the previous job is then still starting, so the rank process is not warm.
+   * dask-ddp back-to-back: the same jobs with no pause in between; when a job
+     is shorter than a spare's start, the next job finds its worker's spare
+     still starting and starts a cold rank process of its own.
    * torchrun: ``torchrun --standalone --nproc-per-node 2 script.py``, the
      whole subprocess's wall time (what a user waits for).
 
-2. Per-step overhead: 300 steps of a small CNN (two 3x3 convolutions on
-   random 1x28x28 batches of 32, fixed seeds), timed inside rank 0 with
-   ``time.perf_counter`` around the loop only. Each repeat runs, in a rotating
-   order, three variants:
+   The breakdown table times, inside the ranks, when the training function
+   starts and how long its first ``DDP(...)`` takes: in torch 2.14 the first
+   ``DistributedDataParallel`` of a process imports ``torch._dynamo`` (about
+   900 modules, seconds), which the spare has not imported.
+
+2. Per-step overhead: 300 steps of a small CNN (3x3 convolutions 1->8->16
+   channels with max-pooling, then Linear(784, 10), on random 1x28x28 batches
+   of 32, fixed seeds), timed inside rank 0 with ``time.perf_counter`` around
+   the loop only (``time.process_time`` too: the CPU seconds of rank 0's
+   process, less sensitive to other load on the machine). Each repeat runs,
+   in a rotating order, three variants:
 
    * dask-ddp default: the job takes the warm spare and the worker at once
      starts the next spare (a Python importing torch) while the loop runs;
@@ -39,17 +48,29 @@ calls ``init_process_group("gloo")`` itself. Two ranks, gloo, CPU, and
 
 The final losses of both sides are compared: the same seeds must give the
 same numbers, a check that both sides really ran the same computation.
+
+Environment: torchrun runs with the environment this benchmark started with.
+A LocalCluster writes ``distributed.nanny.pre-spawn-environ`` into the
+environment of the process that starts it, and Dask workers (so dask-ddp's
+rank processes) run with ``MALLOC_TRIM_THRESHOLD_=65536``: glibc then stops
+adapting its mmap threshold, so every tensor over 128 KiB is mmap'ed and
+unmapped again each step (page faults, system time). ``--no-malloc-trim``
+drops the variable from the workers' environment (a user's workaround:
+``dask.config.set({"distributed.nanny.pre-spawn-environ": ...})`` before the
+cluster starts) to measure its share of the per-step overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import inspect
 import json
 import logging
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +84,7 @@ from pathlib import Path
 
 def train_linear(steps=20, seed=0):
     """The dispatch-latency job: DDP(Linear(32, 32)), ``steps`` SGD steps. The process group is initialised."""
+    import os
     import time
 
     started = time.time()
@@ -84,11 +106,13 @@ def train_linear(steps=20, seed=0):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return {"rank": rank, "start": started, "end": time.time(), "loss": loss.item(), "ddp_init_s": t_ddp}
+    return {"rank": rank, "start": started, "end": time.time(), "loss": loss.item(), "ddp_init_s": t_ddp,
+            "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
 
 
 def train_cnn(steps=300, seed=0, batch=32):
     """The per-step job: a 2-conv CNN on random 1x28x28 batches; only the loop is timed (perf_counter)."""
+    import os
     import time
 
     started = time.time()
@@ -121,7 +145,8 @@ def train_cnn(steps=300, seed=0, batch=32):
     loop, cpu = time.perf_counter() - t0, time.process_time() - c0
     step_times.sort()
     return {"rank": rank, "start": started, "end": time.time(), "loss": loss.item(), "loop_s": loop,
-            "loop_cpu_s": cpu, "step_median_s": step_times[len(step_times) // 2]}
+            "loop_cpu_s": cpu, "step_median_s": step_times[len(step_times) // 2],
+            "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
 
 
 TORCHRUN_MAIN = '''
@@ -201,6 +226,10 @@ def dask_job(client, fn, **kwargs) -> dict:
             "rank0": values[0]}
 
 
+# The environment this process started with: what a user's shell gives torchrun. LocalCluster's nannies write
+# distributed.nanny.pre-spawn-environ (MALLOC_TRIM_THRESHOLD_=65536, OMP_NUM_THREADS=1, ...) into os.environ of
+# the process that starts them, so torchrun must not inherit os.environ as it is once the cluster is up.
+BASE_ENV = dict(os.environ)
 TORCHRUN_FAILURES: list[str] = []  # runs that exited non-zero (retried, not counted)
 
 
@@ -208,7 +237,7 @@ def torchrun_job(torchrun: str, script: str, name: str, tries: int = 3, **kwargs
     for _ in range(tries):
         t0 = time.time()
         proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", script, name,
-                               json.dumps(kwargs)], capture_output=True, text=True)
+                               json.dumps(kwargs)], capture_output=True, text=True, env=BASE_ENV)
         t1 = time.time()
         if proc.returncode == 0:
             break
@@ -241,9 +270,15 @@ def main(argv=None) -> int:
     ap.add_argument("--refill-wait", type=float, default=6.0, help="seconds slept between warm dask jobs")
     ap.add_argument("--latency-steps", type=int, default=20)
     ap.add_argument("--cnn-steps", type=int, default=300)
-    ap.add_argument("--no-cnn", action="store_true", help="only the latency part")
+    ap.add_argument("--parts", default="latency,cnn", help="comma-separated: latency, cnn")
+    ap.add_argument("--no-malloc-trim", action="store_true",
+                    help="drop MALLOC_TRIM_THRESHOLD_ from distributed.nanny.pre-spawn-environ (a user workaround)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_dispatch.md")))
+    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = ap.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"latency", "cnn"}:
+        ap.error(f"--parts: expected latency and/or cnn, got {args.parts!r}")
 
     import dask
     import distributed
@@ -251,11 +286,16 @@ def main(argv=None) -> int:
     from dask.distributed import Client, LocalCluster
 
     logging.getLogger("dask_ddp").setLevel(logging.WARNING)
+    if args.no_malloc_trim:
+        env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+        env.pop("MALLOC_TRIM_THRESHOLD_", None)
+        dask.config.set({"distributed.nanny.pre-spawn-environ": env})
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     n = args.repeats
     began = time.monotonic()
     load = {"start": os.getloadavg()}
     tmp = tempfile.mkdtemp(prefix="bench-dispatch-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     script = write_script(tmp)
     lat_kw = {"steps": args.latency_steps, "seed": 0}
     cnn_kw = {"steps": args.cnn_steps, "seed": 0}
@@ -272,21 +312,22 @@ def main(argv=None) -> int:
         waits.append(wait_warm(client, max(8.0, args.refill_wait)))
         log(f"warm (waited {waits[-1]:.1f} s)")
 
-        # 1. dispatch latency, alternating dask (warm) and torchrun
-        for i in range(n):
-            waits.append(wait_warm(client, args.refill_wait))
-            res["dask"].append(dask_job(client, train_linear, **lat_kw))
-            wait_warm(client, 0.5)  # the refill started by that job must not compete with torchrun
-            res["torchrun"].append(torchrun_job(torchrun, script, "train_linear", **lat_kw))
-            log(f"latency {i + 1}/{n}: dask {res['dask'][-1]['wall']:.3f} s, "
-                f"torchrun {res['torchrun'][-1]['wall']:.3f} s")
-        load["after latency"] = os.getloadavg()
+        if "latency" in parts:
+            # 1. dispatch latency, alternating dask (warm) and torchrun
+            for i in range(n):
+                waits.append(wait_warm(client, args.refill_wait))
+                res["dask"].append(dask_job(client, train_linear, **lat_kw))
+                wait_warm(client, 0.5)  # the refill started by that job must not compete with torchrun
+                res["torchrun"].append(torchrun_job(torchrun, script, "train_linear", **lat_kw))
+                log(f"latency {i + 1}/{n}: dask {res['dask'][-1]['wall']:.3f} s, "
+                    f"torchrun {res['torchrun'][-1]['wall']:.3f} s")
+            load["after latency"] = os.getloadavg()
 
-        # 1b. back-to-back dask jobs (first one warm, then no pause)
-        wait_warm(client, args.refill_wait)
-        for i in range(n):
-            res["b2b"].append(dask_job(client, train_linear, **lat_kw))
-        log("back-to-back: " + ", ".join(f"{r['wall']:.2f}" for r in res["b2b"]))
+            # 1b. back-to-back dask jobs (first one warm, then no pause)
+            wait_warm(client, args.refill_wait)
+            for i in range(n):
+                res["b2b"].append(dask_job(client, train_linear, **lat_kw))
+            log("back-to-back: " + ", ".join(f"{r['wall']:.2f}" for r in res["b2b"]))
 
         # 2. per-step overhead, three variants in a rotating order
         def default():
@@ -304,7 +345,7 @@ def main(argv=None) -> int:
             res["cnn_torchrun"].append(torchrun_job(torchrun, script, "train_cnn", **cnn_kw))
 
         variants = [default, steady, baseline]
-        for i in range(0 if args.no_cnn else n):
+        for i in range(n if "cnn" in parts else 0):
             for v in variants[i % 3:] + variants[:i % 3]:
                 wait_warm(client, 1.0)
                 v()
@@ -314,125 +355,117 @@ def main(argv=None) -> int:
         load["end"] = os.getloadavg()
 
     total = time.monotonic() - began
+    md = report(args, parts, res, waits, load, total,
+                versions=f"torch {torch.__version__}, dask {dask.__version__}, distributed {distributed.__version__}")
+    print()
+    print(md)
+    with open(args.out, "a" if args.append else "w") as fh:
+        fh.write(("\n" if args.append else "") + md)
+    print(f"written to {args.out}")
+    return 0
 
-    # ---- checks: same computation on both sides ----
-    lin_losses = {r["rank0"]["loss"] for k in ("dask", "b2b", "torchrun") for r in res[k]}
-    cnn_losses = {r["rank0"]["loss"] for k in ("cnn_default", "cnn_steady", "cnn_torchrun") for r in res[k]}
-    same = len(lin_losses) == 1 and len(cnn_losses) <= 1
 
-    # ---- tables ----
-    d_wall = [r["wall"] for r in res["dask"]]
-    b_wall = [r["wall"] for r in res["b2b"]]
-    t_wall = [r["wall"] for r in res["torchrun"]]
-    if args.no_cnn:  # placeholders so the tables below can be built; the CNN rows are dropped
-        for k in ("cnn_default", "cnn_steady", "cnn_torchrun"):
-            res[k] = [{"rank0": {"loop_s": 1.0, "step_median_s": 1.0, "loop_cpu_s": 1.0, "loss": 0.0}}]
-    loops = {k: [r["rank0"]["loop_s"] for r in res[k]] for k in ("cnn_default", "cnn_steady", "cnn_torchrun")}
-    steps = {k: [r["rank0"]["step_median_s"] * 1e3 for r in res[k]] for k in loops}
-    cpus = {k: [r["rank0"]["loop_cpu_s"] for r in res[k]] for k in loops}
-    c_def = med(cpus["cnn_default"]) / med(cpus["cnn_torchrun"])
-    c_std = med(cpus["cnn_steady"]) / med(cpus["cnn_torchrun"])
-    lat_ratio = med(d_wall) / med(t_wall)
-    b2b_ratio = med(b_wall) / med(t_wall)
-    r_def = med(loops["cnn_default"]) / med(loops["cnn_torchrun"])
-    r_std = med(loops["cnn_steady"]) / med(loops["cnn_torchrun"])
-    # paired ratios (each repeat's dask run against the torchrun run of the same repeat)
-    paired_std = [a / b for a, b in zip(loops["cnn_steady"], loops["cnn_torchrun"])]
-    paired_def = [a / b for a, b in zip(loops["cnn_default"], loops["cnn_torchrun"])]
-    s_def = med(steps["cnn_default"]) / med(steps["cnn_torchrun"])
-    s_std = med(steps["cnn_steady"]) / med(steps["cnn_torchrun"])
+def ok(x, goal):
+    return "yes" if x <= goal else "**no**"
 
-    def ok(x, goal):
-        return "yes" if x <= goal else "**no**"
 
-    L = args.latency_steps
-    lines = [
-        f"| measurement (median of {n}, min–max) | dask-ddp | torchrun | dask / torchrun | goal | met |",
-        "|---|---|---|---|---|---|",
-        f"| dispatch latency, warm cluster ({args.refill_wait:g} s pause + spares ready), {L} steps DDP(Linear(32,32)) "
-        f"| {spread(d_wall)} | {spread(t_wall)} | {lat_ratio:.3f} | ≤ 0.25 | {ok(lat_ratio, 0.25)} |",
-        f"| dispatch latency, back-to-back jobs (no pause) | {spread(b_wall)} | {spread(t_wall)} | "
-        f"{b2b_ratio:.3f} | (info) | {'yes' if b2b_ratio <= 0.25 else 'no'} |",
-        f"| CNN {args.cnn_steps}-step loop, rank 0, steady state (no spare starting during the loop) | "
-        f"{spread(loops['cnn_steady'])} | {spread(loops['cnn_torchrun'])} | {r_std:.3f} (paired: "
-        f"{min(paired_std):.3f}–{max(paired_std):.3f}) | ≤ 1.02 | {ok(r_std, 1.02)} |",
-        f"| CNN {args.cnn_steps}-step loop, rank 0, default (next spare starts during the loop) | "
-        f"{spread(loops['cnn_default'])} | {spread(loops['cnn_torchrun'])} | {r_def:.3f} (paired: "
-        f"{min(paired_def):.3f}–{max(paired_def):.3f}) | ≤ 1.02 | {ok(r_def, 1.02)} |",
-        f"| CNN median step time, steady state | {spread(steps['cnn_steady'], 'ms', 2)} | "
-        f"{spread(steps['cnn_torchrun'], 'ms', 2)} | {s_std:.3f} | ≤ 1.02 | {ok(s_std, 1.02)} |",
-        f"| CNN median step time, default | {spread(steps['cnn_default'], 'ms', 2)} | "
-        f"{spread(steps['cnn_torchrun'], 'ms', 2)} | {s_def:.3f} | ≤ 1.02 | {ok(s_def, 1.02)} |",
-        f"| CNN loop, CPU seconds of rank 0's process (process_time), steady state | "
-        f"{spread(cpus['cnn_steady'])} | {spread(cpus['cnn_torchrun'])} | {c_std:.3f} | (info) | |",
-        f"| CNN loop, CPU seconds of rank 0's process (process_time), default | "
-        f"{spread(cpus['cnn_default'])} | {spread(cpus['cnn_torchrun'])} | {c_def:.3f} | (info) | |",
-    ]
-    if args.no_cnn:
-        lines = lines[:4]
+def report(args, parts, res, waits, load, total, versions) -> str:
+    n, L = args.repeats, args.latency_steps
+    lines = [f"| measurement (median of {n}, min–max) | dask-ddp | torchrun | dask / torchrun | goal | met |",
+             "|---|---|---|---|---|---|"]
+    raw, breakdown = [], []
+    if "latency" in parts:
+        d_wall = [r["wall"] for r in res["dask"]]
+        b_wall = [r["wall"] for r in res["b2b"]]
+        t_wall = [r["wall"] for r in res["torchrun"]]
+        lat, b2b = med(d_wall) / med(t_wall), med(b_wall) / med(t_wall)
+        lines += [
+            f"| dispatch latency, warm cluster ({args.refill_wait:g} s pause + spares ready), {L} steps "
+            f"DDP(Linear(32,32)) | {spread(d_wall)} | {spread(t_wall)} | {lat:.3f} | ≤ 0.25 | {ok(lat, 0.25)} |",
+            f"| dispatch latency, back-to-back jobs (no pause) | {spread(b_wall)} | {spread(t_wall)} | "
+            f"{b2b:.3f} | (info) | {'yes' if b2b <= 0.25 else 'no'} |"]
 
-    def mcol(rows, key):
-        vals = [r[key] for r in rows]
-        return f"{med(vals):.3f}"
+        def mcol(key, rows):
+            return f"{med([r[key] for r in rows]):.3f}"
 
-    def mddp(rows):
-        return f"{med([r['rank0']['ddp_init_s'] for r in rows]):.3f} s"
+        def mddp(rows):
+            return f"{med([r['rank0']['ddp_init_s'] for r in rows]):.3f}"
 
-    breakdown = [
-        "| latency job, seconds after launch (median) | run() returned | rank task started on worker | "
-        "training fn started (all ranks) | of the fn: first DDP() (rank 0) | training fn ended | "
-        "result() returned / process exited |",
-        "|---|---|---|---|---|---|---|",
-        f"| dask-ddp, warm | {mcol(res['dask'], 'run_returned')} | {mcol(res['dask'], 'supervisor_started')} | "
-        f"{mcol(res['dask'], 'fn_started')} | {mddp(res['dask'])} | {mcol(res['dask'], 'fn_ended')} | {mcol(res['dask'], 'wall')} |",
-        f"| dask-ddp, back-to-back | {mcol(res['b2b'], 'run_returned')} | {mcol(res['b2b'], 'supervisor_started')} | "
-        f"{mcol(res['b2b'], 'fn_started')} | {mddp(res['b2b'])} | {mcol(res['b2b'], 'fn_ended')} | {mcol(res['b2b'], 'wall')} |",
-        f"| torchrun | – | – | {mcol(res['torchrun'], 'fn_started')} | {mddp(res['torchrun'])} | "
-        f"{mcol(res['torchrun'], 'fn_ended')} | "
-        f"{mcol(res['torchrun'], 'wall')} |",
-    ]
-    raw = [
-        "dask warm wall (s): " + ", ".join(f"{x:.3f}" for x in d_wall),
-        "dask back-to-back wall (s): " + ", ".join(f"{x:.3f}" for x in b_wall),
-        "torchrun wall (s): " + ", ".join(f"{x:.3f}" for x in t_wall),
-        "CNN loop dask steady (s): " + ", ".join(f"{x:.3f}" for x in loops["cnn_steady"]),
-        "CNN loop dask default (s): " + ", ".join(f"{x:.3f}" for x in loops["cnn_default"]),
-        "CNN loop torchrun (s): " + ", ".join(f"{x:.3f}" for x in loops["cnn_torchrun"]),
+        breakdown = [
+            "| latency job, seconds after launch (median) | run() returned | rank task started on worker | "
+            "training fn started (all ranks) | of the fn: first DDP() took (rank 0) | training fn ended | "
+            "result() returned / process exited |",
+            "|---|---|---|---|---|---|---|"]
+        for label, rows in (("dask-ddp, warm", res["dask"]), ("dask-ddp, back-to-back", res["b2b"])):
+            breakdown.append(f"| {label} | {mcol('run_returned', rows)} | {mcol('supervisor_started', rows)} | "
+                             f"{mcol('fn_started', rows)} | {mddp(rows)} | {mcol('fn_ended', rows)} | "
+                             f"{mcol('wall', rows)} |")
+        rows = res["torchrun"]
+        breakdown.append(f"| torchrun | – | – | {mcol('fn_started', rows)} | {mddp(rows)} | "
+                         f"{mcol('fn_ended', rows)} | {mcol('wall', rows)} |")
+        raw += ["dask warm wall (s): " + ", ".join(f"{x:.3f}" for x in d_wall),
+                "dask back-to-back wall (s): " + ", ".join(f"{x:.3f}" for x in b_wall),
+                "torchrun wall (s): " + ", ".join(f"{x:.3f}" for x in t_wall)]
+    if "cnn" in parts:
+        keys = ("cnn_steady", "cnn_default", "cnn_torchrun")
+        loops = {k: [r["rank0"]["loop_s"] for r in res[k]] for k in keys}
+        steps = {k: [r["rank0"]["step_median_s"] * 1e3 for r in res[k]] for k in keys}
+        cpus = {k: [r["rank0"]["loop_cpu_s"] for r in res[k]] for k in keys}
+        base = "cnn_torchrun"
+        for k, label in (("cnn_steady", "steady state (no spare starting during the loop)"),
+                         ("cnn_default", "default (the next spare starts during the loop)")):
+            r = med(loops[k]) / med(loops[base])
+            paired = [a / b for a, b in zip(loops[k], loops[base])]  # each dask run against its repeat's torchrun
+            lines.append(f"| CNN {args.cnn_steps}-step loop, rank 0, {label} | {spread(loops[k])} | "
+                         f"{spread(loops[base])} | {r:.3f} (paired {min(paired):.2f}–{max(paired):.2f}) | ≤ 1.02 | "
+                         f"{ok(r, 1.02)} |")
+        for k, label in (("cnn_steady", "steady state"), ("cnn_default", "default")):
+            r = med(steps[k]) / med(steps[base])
+            lines.append(f"| CNN median step time, {label} | {spread(steps[k], 'ms', 2)} | "
+                         f"{spread(steps[base], 'ms', 2)} | {r:.3f} | ≤ 1.02 | {ok(r, 1.02)} |")
+        for k, label in (("cnn_steady", "steady state"), ("cnn_default", "default")):
+            r = med(cpus[k]) / med(cpus[base])
+            lines.append(f"| CNN loop, CPU seconds of rank 0's process (process_time), {label} | {spread(cpus[k])} | "
+                         f"{spread(cpus[base])} | {r:.3f} | (info) | |")
+        raw += [f"CNN loop {k[4:]} (s): " + ", ".join(f"{x:.3f}" for x in loops[k]) for k in keys]
+        raw += [f"CNN loop CPU {k[4:]} (s): " + ", ".join(f"{x:.3f}" for x in cpus[k]) for k in keys]
+    lin = {r["rank0"]["loss"] for k in ("dask", "b2b", "torchrun") for r in res[k]}
+    cnn = {r["rank0"]["loss"] for k in ("cnn_default", "cnn_steady", "cnn_torchrun") for r in res[k]}
+    trim = {side: sorted({str(r["rank0"]["malloc_trim"]) for k in keys_ for r in res[k]})
+            for side, keys_ in (("dask-ddp", ("dask", "b2b", "cnn_default", "cnn_steady")),
+                                ("torchrun", ("torchrun", "cnn_torchrun")))}
+    raw += [
         "waits for warm spares before warm dask jobs (s): " + ", ".join(f"{x:.1f}" for x in waits),
         "load average (1, 5, 15 min): " + "; ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}/{v[2]:.1f}" for k, v in load.items()),
+        f"MALLOC_TRIM_THRESHOLD_ seen by the ranks: dask-ddp {trim['dask-ddp']}, torchrun {trim['torchrun']}",
         f"torchrun runs that exited non-zero and were repeated: {len(TORCHRUN_FAILURES)}"
         + "".join(f"; {f}" for f in TORCHRUN_FAILURES),
-        f"same final loss on every run and both launchers (same computation): {same} "
-        f"(linear {sorted(lin_losses)}, cnn {sorted(cnn_losses)})",
+        f"same final loss on every run and both launchers (same computation): "
+        f"{len(lin) <= 1 and len(cnn) <= 1} (linear {sorted(lin)}, cnn {sorted(cnn)})",
     ]
-    if args.no_cnn:
-        raw = [r for r in raw if not r.startswith("CNN")]
-    cmd = "python benchmarks/bench_dispatch.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = "python benchmarks/bench_dispatch.py" + "".join(f" {a}" for a in sys.argv[1:])
     header = [
-        "# dask-ddp dispatch benchmark: latency and per-step overhead against torchrun",
+        "# dask-ddp dispatch benchmark: latency and per-step overhead against torchrun"
+        + (" (MALLOC_TRIM_THRESHOLD_ dropped from the Dask workers' environment)" if args.no_malloc_trim else ""),
         "",
         f"Command: `{cmd}` (from the repository root, venv python)  ",
         f"Date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}  ",
-        f"Machine: {os.cpu_count()} CPU cores (shared with other jobs, see load average below); torch "
-        f"{torch.__version__}, dask {dask.__version__}, distributed {distributed.__version__}; 2 ranks, gloo, CPU, "
-        f"torch.set_num_threads(1) on every rank; whole run {total:.0f} s.",
+        f"Machine: {os.cpu_count()} CPU cores, shared with other jobs (see the load average below); {versions}; "
+        f"2 ranks, gloo, CPU, torch.set_num_threads(1) on every rank; whole run {total:.0f} s.",
         "",
         "Method: see the docstring of `benchmarks/bench_dispatch.py`. Both launchers run the same functions "
-        "(torchrun gets their source copied into a script). dask-ddp latency is `run()` to `result()` on a "
-        f"warm 2-worker LocalCluster: before each job the benchmark sleeps {args.refill_wait:g} s and waits until "
-        "each worker's spare rank process has imported torch; the back-to-back row has no pause, so its jobs find "
-        "the spare still starting. torchrun latency is the wall time of the whole `torchrun --standalone "
-        "--nproc-per-node 2 script.py` subprocess. The CNN loop is timed inside rank 0 (perf_counter around the "
-        "loop only); the three CNN variants alternate in a rotating order.",
+        "(torchrun gets their source copied into a script and runs with the environment the benchmark started "
+        "with). dask-ddp latency is `run()` to `result()` on a warm 2-worker LocalCluster: before each job the "
+        f"benchmark sleeps {args.refill_wait:g} s and then waits until each worker's spare rank process has "
+        "imported torch; the back-to-back row has no pause. torchrun latency is the wall time of the whole "
+        "`torchrun --standalone --nproc-per-node 2 script.py` subprocess. The CNN loop is timed inside rank 0 "
+        "(perf_counter around the loop only); the three CNN variants alternate in a rotating order.",
         "",
     ]
-    md = "\n".join(header + lines + ["", "Where the time goes (latency jobs):", ""] + breakdown
-                   + ["", "Raw values:", ""] + [f"- {r}" for r in raw]) + "\n"
-    print()
-    print(md)
-    Path(args.out).write_text(md)
-    print(f"written to {args.out}")
-    return 0
+    out = header + lines
+    if breakdown:
+        out += ["", "Where the time goes (latency jobs):", ""] + breakdown
+    return "\n".join(out + ["", "Raw values:", ""] + [f"- {r}" for r in raw]) + "\n"
 
 
 if __name__ == "__main__":
