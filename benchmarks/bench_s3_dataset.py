@@ -16,8 +16,11 @@ c. local: torchvision ``ImageFolder`` on the local copy
 d. cold: ``S3ImageFolder``
 e. cached: ``S3ImageFolder(cache=...)``, second epoch (the first fills the cache)
 
-On a shared machine, ``--repeat 2`` or more interleaves the five runs and uses
-each one's best round for the ratios (all rounds are printed).
+Each ratio is taken within a round, between neighbouring runs (the reference
+is timed just before and just after, and their mean is used); with
+``--repeat N`` the median of the N rounds' ratios is reported (all rounds are
+printed). This keeps the drifting load of other processes on a shared machine
+out of the ratios as far as it can.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import io
 import logging
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -104,7 +108,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, default=2000, help="number of images")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of all five runs; ratios use each one's best")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of all five runs; ratios are per-round medians")
     args = parser.parse_args(argv)
 
     import s3fs
@@ -146,37 +150,51 @@ def main(argv=None) -> None:
             print(f"{name:8s} {args.n / seconds:8.1f} images/s  ({seconds:6.2f}s){extra}", flush=True)
 
         paths = [f"bench/{k}" for k in files]
-        for round_ in range(1, args.repeat + 1):
-            print(f"-- round {round_}/{args.repeat} (load average {os.getloadavg()[0]:.1f})", flush=True)
+        local = ImageFolder(os.path.join(tmp, "local", "train"), transform=tf)
+
+        def ceiling():
             start = time.perf_counter()
             fs.cat(paths, max_concurrency=1)  # GET only: max_concurrency=1 skips s3fs's HEAD
-            report("ceiling", time.perf_counter() - start, "  s3fs cat of all objects, no decoding")
+            return time.perf_counter() - start
+
+        for round_ in range(1, args.repeat + 1):
+            # Each compared pair is measured as A B A, and B is set against the mean of the two A's:
+            # on a shared machine the load of other processes drifts less within such a bracket.
+            print(f"-- round {round_}/{args.repeat} (load average {os.getloadavg()[0]:.1f})", flush=True)
+            before = ceiling()
+            start = time.perf_counter()
+            cold = S3ImageFolder("s3://bench/train", transform=tf, storage_options=opts)
+            listed = time.perf_counter() - start
+            seconds = _epoch(cold, args.batch, args.workers)
+            after = ceiling()
+            report("ceiling", (before + after) / 2, f"  s3fs cat of all objects, no decoding "
+                   f"(mean of {args.n / before:.1f} before and {args.n / after:.1f} after cold)")
+            report("cold", seconds, f"  S3ImageFolder (listing {listed:.2f}s)")
 
             start = time.perf_counter()
             dpd = DpdStyleDataset("bench", "train/", transform=tf)
             listed = time.perf_counter() - start
             report("dpd", _epoch(dpd, args.batch, args.workers), f"  dask-pytorch-ddp 0.2.2 style (listing {listed:.2f}s)")
 
-            report("local", _epoch(ImageFolder(os.path.join(tmp, "local", "train"), transform=tf),
-                                   args.batch, args.workers), "  torchvision ImageFolder on local disk")
-
-            start = time.perf_counter()
-            cold = S3ImageFolder("s3://bench/train", transform=tf, storage_options=opts)
-            listed = time.perf_counter() - start
-            report("cold", _epoch(cold, args.batch, args.workers), f"  S3ImageFolder (listing {listed:.2f}s)")
-
-            cache = os.path.join(tmp, f"cache{round_}")
-            cached = S3ImageFolder("s3://bench/train", transform=tf, storage_options=opts, index=cold.index, cache=cache)
+            cached = S3ImageFolder("s3://bench/train", transform=tf, storage_options=opts, index=cold.index,
+                                   cache=os.path.join(tmp, f"cache{round_}"))
             fill = _epoch(cached, args.batch, args.workers)
-            report("cached", _epoch(cached, args.batch, args.workers),
-                   f"  S3ImageFolder(cache=...), 2nd epoch (1st, filling it: {args.n / fill:.1f} images/s)")
+            print(f"{'(fill)':8s} {args.n / fill:8.1f} images/s  ({fill:6.2f}s)  first epoch with cache=, filling it")
+            before = _epoch(local, args.batch, args.workers)
+            seconds = _epoch(cached, args.batch, args.workers)
+            after = _epoch(local, args.batch, args.workers)
+            report("local", (before + after) / 2, f"  torchvision ImageFolder on local disk "
+                   f"(mean of {args.n / before:.1f} before and {args.n / after:.1f} after cached)")
+            report("cached", seconds, "  S3ImageFolder(cache=...), 2nd epoch")
 
-    rate = {name: max(values) for name, values in rates.items()}
-    print(f"\nbest of {args.repeat} round(s), images/s: " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
+    print(f"\nmedian of {args.repeat} round(s), images/s: "
+          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in rates.items()))
     for name, num, den, goal in [("cold/ceiling", "cold", "ceiling", 0.9), ("cold/dpd", "cold", "dpd", 2.0),
                                  ("cached/local", "cached", "local", 0.9)]:
-        ratio = rate[num] / rate[den]
-        print(f"{name:13s} {ratio:5.2f}  (goal >= {goal}: {'met' if ratio >= goal else 'NOT met'})")
+        per_round = [a / b for a, b in zip(rates[num], rates[den])]
+        ratio = statistics.median(per_round)
+        print(f"{name:13s} {ratio:5.2f}  (goal >= {goal}: {'met' if ratio >= goal else 'NOT met'}; "
+              f"per round: {', '.join(f'{r:.2f}' for r in per_round)})")
     parent.send("stop")
     server.join(timeout=10)
 

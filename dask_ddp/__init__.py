@@ -7,6 +7,7 @@
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import dispatch
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .data import S3ImageFolder
 from .context import Context, all_reduce_mean, get_context, rank_zero_first, seed_everything
 from .errors import (
     ClientClosedError,
@@ -26,7 +27,7 @@ from .reporting import report
 __version__ = "0.1.0"
 
 __all__ = [
-    "dispatch", "Job", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
+    "dispatch", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
     "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
 ]

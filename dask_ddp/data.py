@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import inspect
 import io
+import logging
 import os
 import random
 import time
@@ -32,6 +33,7 @@ from torchvision.datasets.folder import has_file_allowed_extension
 
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
 
+logger = logging.getLogger(__name__)
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
@@ -195,17 +197,20 @@ class S3ImageFolder(ImageFolder):
     an empty class raises unless ``allow_empty``. ``samples``/``imgs`` hold
     ``(url, class_index)`` with the full URL (``s3://bucket/prefix/cat/1.png``;
     for a plain local root, the same paths ImageFolder gives); ``relpath(i)``
-    gives ``cat/1.png``.
+    gives ``cat/1.png``. It subclasses ImageFolder, so ``isinstance`` checks and
+    ``find_classes``/``make_dataset`` overrides keep working.
 
     The root is listed once here; pickling ships the constructor arguments and
     the built index, never a filesystem or client, so DataLoader workers and
-    other ranks do not list again. Each process opens its own filesystem on
-    first use (fork-, spawn- and forkserver-safe).
+    other ranks do not list again (or list once with :func:`index_folder` and
+    pass ``index=``). Each process opens its own filesystem on first use
+    (fork-, spawn- and forkserver-safe).
 
     Parameters
     ----------
     root : str or os.PathLike
-        ``s3://bucket/prefix``, ``memory://...``, ``file://...`` or a local path.
+        ``s3://bucket/prefix``, ``file://...``, a local path, or any fsspec URL.
+        (``memory://`` lives in one process: spawned workers see it empty.)
     transform, target_transform : callable, optional
         As in ImageFolder.
     loader : callable, optional
@@ -234,6 +239,8 @@ class S3ImageFolder(ImageFolder):
     ------
     FileNotFoundError
         No such bucket, prefix or folder; no class folder; a class without valid file.
+    NotADirectoryError
+        ``root`` is a file.
     PermissionError
         The credentials were refused; the message names the URL, never the secret.
     ValueError
@@ -382,22 +389,25 @@ class S3ImageFolder(ImageFolder):
     def _fetch(self, urls: Sequence[str]) -> list[bytes]:
         unique = list(dict.fromkeys(urls))
         got = {u: b for u in unique if (b := self._cache_read(u)) is not None} if self.cache else {}
-        todo = [u for u in unique if u not in got]
-        for attempt in range(self.retries + 1):
-            failed = []
+        todo, attempt = [u for u in unique if u not in got], 0
+        while todo:  # a fully cached batch never opens the filesystem
+            failed = {}
             for url, result in zip(todo, self._cat(todo)):
                 if not isinstance(result, BaseException):
                     got[url] = result
                     if self.cache:
                         self._cache_write(url, result)
                 elif attempt < self.retries and self._transient(result):
-                    failed.append(url)
+                    failed[url] = result
                 else:
                     raise self._fetch_error(url, result, attempt + 1)
-            if not failed:
-                break
-            todo = failed
-            time.sleep(0.2 * 2**attempt * random.uniform(0.5, 1.5))
+            if failed:
+                delay = 0.2 * 2**attempt * random.uniform(0.5, 1.5)
+                url, err = next(iter(failed.items()))
+                logger.warning("retrying %d object(s) in %.2fs (attempt %d of %d); %s: %s: %s", len(failed),
+                               delay, attempt + 2, self.retries + 1, url, type(err).__name__, err)
+                time.sleep(delay)
+            todo, attempt = list(failed), attempt + 1
         return [got[u] for u in urls]
 
     def _cat(self, urls: Sequence[str]) -> list:

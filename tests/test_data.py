@@ -293,7 +293,7 @@ def test_undecodable_object_names_its_url_in_process_and_in_a_worker(s3):
         list(loader)
 
 
-def test_transient_errors_are_retried(counted):
+def test_transient_errors_are_retried(counted, caplog):
     recorder, url, opts = counted
     ds = S3ImageFolder(url, transform=ToTensor(), storage_options=opts, retries=2)
     want = ds[3][0]
@@ -301,6 +301,8 @@ def test_transient_errors_are_retried(counted):
     recorder.fail[key] = 2
     recorder.reset()
     assert torch.equal(ds[3][0], want)
+    retries = [r.getMessage() for r in caplog.records if r.name == "dask_ddp.data"]
+    assert len(retries) == 2 and "cat/sub/3.jpeg" in retries[0] and "attempt 2 of 3" in retries[0]
     assert recorder.object_requests(url.split("/")[2], "GET").count(key) == 3
 
 
@@ -410,7 +412,7 @@ def test_getitems_fetches_a_batch_concurrently(counted):
     elapsed = time.perf_counter() - start
     _same_items(got, want)
     assert recorder.max_inflight >= 5, recorder.max_inflight
-    assert elapsed < N_IMAGES * 0.3 / 3, elapsed
+    assert elapsed < N_IMAGES * 0.3 / 2, elapsed  # one at a time would take 3 s
     keys = recorder.object_requests(url.split("/")[2], "GET")
     assert len(keys) == N_IMAGES and any("a[1].png" in k for k in keys) and any("w*x?.png" in k for k in keys)
 
