@@ -120,6 +120,9 @@ def run_script(script: Script) -> int:
 
     ctx = get_context()
     if dist.is_initialized():
+        # a rank that leaves at once would close its gloo connections while a slower rank is still
+        # making them (connectFullMesh: "Connection closed by peer"): leave together
+        dist.barrier()
         dist.destroy_process_group()
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # connect to rank 0's store; never bind it again
     code = compile(script.source, script.path, "exec")

@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Iterator, Sequence
 
@@ -173,17 +175,36 @@ def _run_script(client, script, args: argparse.Namespace) -> int:
 
 
 def wait_for(job, what: str) -> int:
-    """Wait for ``job``; print the root cause and return 1 if it failed, cancel it and return 130 on Ctrl-C."""
+    """Wait for ``job``; print the root cause and return 1 if it failed, cancel it and return 130 on Ctrl-C.
+
+    ``job.result()`` (and its progress bar) runs in a helper thread while this
+    thread only sleeps: the KeyboardInterrupt of Ctrl-C then lands in a plain
+    ``time.sleep``, never half-way through the job's locks.
+    """
+    outcome: list = []
+    waiter = threading.Thread(target=_collect, args=(job, outcome), name="dask-ddp-cli-wait", daemon=True)
+    waiter.start()
     try:
-        job.result()
+        while not outcome:
+            time.sleep(0.1)
     except KeyboardInterrupt:
         print(f"{what}: interrupted; cancelling job {job.run_id} ...", file=sys.stderr)
         job.cancel()
         return EXIT_INTERRUPTED
-    except Exception as err:  # noqa: BLE001 - every failure is the job's root cause, shown as such
-        print_failure(err, what)
+    error = outcome[0]
+    if error is not None:
+        print_failure(error, what)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _collect(job, outcome: list) -> None:
+    try:
+        job.result()
+    except BaseException as err:  # noqa: BLE001 - every failure is the job's root cause, shown as such
+        outcome.append(err)
+        return
+    outcome.append(None)
 
 
 def print_failure(err: BaseException, what: str) -> None:

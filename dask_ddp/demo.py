@@ -97,7 +97,7 @@ def run_demo(*, epochs: int = 5, workers: int | None = None, data: str | None = 
              storage_options: dict | None = None, scheduler: str | None = None, out: str = "dask-ddp-demo",
              checkpoint_dir: str | None = None, batch_size: int = 32, lr: float = 0.01,
              connect_timeout: float = 30, echo: Callable[[str], None] = print) -> dict:
-    """Run the whole demo; return a dict with ``exit_code``, ``test_accuracy``, ``checkpoint``, ``metrics``, ``seconds``.
+    """Run the whole demo; return ``exit_code``, ``test_accuracy``, ``checkpoint``, ``metrics``, ``seconds`` in a dict.
 
     Parameters are those of ``dask-ddp demo`` (see ``dask-ddp demo --help``);
     ``data=None`` starts the embedded S3 server, ``scheduler=None`` a local cluster.
@@ -110,8 +110,7 @@ def run_demo(*, epochs: int = 5, workers: int | None = None, data: str | None = 
     PlanError
         ``workers`` is more than the cluster has.
     """
-    from . import cli, dispatch
-    from .sinks import CSVSink
+    from . import cli
 
     started = time.monotonic()
     out = os.path.abspath(out)
@@ -119,34 +118,55 @@ def run_demo(*, epochs: int = 5, workers: int | None = None, data: str | None = 
     checkpoint_dir = checkpoint_dir or os.path.join(out, "checkpoints")
     with contextlib.ExitStack() as stack:
         if data is None:
-            endpoint = stack.enter_context(embedded_s3())
-            storage_options = dict(CREDENTIALS, client_kwargs={"endpoint_url": endpoint})
-            data = f"s3://{BUCKET}/digits"
-            echo(f"embedded S3 server (moto) at {endpoint}")
+            data, storage_options = _embedded_data(stack, scheduler, echo)
         storage_options = dict(storage_options or {})
         _ensure_digits(data, storage_options, echo)
         client = stack.enter_context(cli.open_client(scheduler, workers, connect_timeout=connect_timeout))
-        train_set, test_set = _datasets(data, storage_options)
-        world = workers or len(client.scheduler_info(n_workers=-1)["workers"])
-        steps = epochs * math.ceil(math.ceil(len(train_set) / world) / batch_size)
-        echo(f"training {epochs} epochs on {world} ranks: {len(train_set)} train / {len(test_set)} test images "
-             f"from {data}; checkpoints to {checkpoint_dir}")
-        metrics = CSVSink(os.path.join(out, "metrics.csv"))  # rows stream in as the ranks report
-        job = dispatch.run(client, train, train_set, test_set, epochs, batch_size, lr,
-                           workers=workers if scheduler else None, total=steps, checkpoint_dir=checkpoint_dir,
-                           checkpoint_options=_checkpoint_options(checkpoint_dir, storage_options),
-                           name=f"demo-{os.getpid()}", callbacks=[metrics])
+        job, metrics = _start(client, data, storage_options, checkpoint_dir, out, epochs, batch_size, lr,
+                              workers if scheduler else None, echo)
         code = cli.wait_for(job, "dask-ddp demo")
         metrics.on_finish(job)  # idempotent: the file is whole now, whenever the job's own call runs
-    result = {"exit_code": code, "seconds": time.monotonic() - started, "metrics": metrics.url,
-              "test_accuracy": None, "checkpoint": None}
+    return _summary(job, code, metrics.url, time.monotonic() - started, echo)
+
+
+def _embedded_data(stack: contextlib.ExitStack, scheduler: str | None, echo) -> tuple[str, dict]:
+    endpoint = stack.enter_context(embedded_s3())
+    echo(f"embedded S3 server (moto) at {endpoint}")
+    if scheduler:
+        echo("note: it listens on 127.0.0.1 only, so the workers of --scheduler must run on this machine "
+             "(else give --data s3://...)")
+    return f"s3://{BUCKET}/digits", dict(CREDENTIALS, client_kwargs={"endpoint_url": endpoint})
+
+
+def _start(client, data, storage_options, checkpoint_dir, out, epochs, batch_size, lr, workers, echo):
+    """List the data once, start the job with a CSV sink for its metrics; return ``(job, sink)``."""
+    import uuid
+
+    from . import dispatch
+    from .sinks import CSVSink
+
+    train_set, test_set = _datasets(data, storage_options)
+    world = workers or len(client.scheduler_info(n_workers=-1)["workers"])
+    steps = epochs * math.ceil(math.ceil(len(train_set) / world) / batch_size)  # per rank: the bar's end
+    echo(f"training {epochs} epochs on {world} ranks: {len(train_set)} train / {len(test_set)} test images "
+         f"from {data}; checkpoints to {checkpoint_dir}")
+    metrics = CSVSink(os.path.join(out, "metrics.csv"))  # rows stream in as the ranks report
+    job = dispatch.run(client, train, train_set, test_set, epochs, batch_size, lr, workers=workers, total=steps,
+                       checkpoint_dir=checkpoint_dir, callbacks=[metrics], name=f"demo-{uuid.uuid4().hex[:6]}",
+                       checkpoint_options=_checkpoint_options(checkpoint_dir, storage_options))
+    return job, metrics
+
+
+def _summary(job, code: int, metrics_url: str, seconds: float, echo) -> dict:
+    result = {"exit_code": code, "seconds": seconds, "metrics": metrics_url, "test_accuracy": None,
+              "checkpoint": None}
     if code == 0:
         first = job.result(progress=False)[0]
         result.update(test_accuracy=first["test_accuracy"], checkpoint=first["checkpoint"])
         echo(f"test accuracy: {first['test_accuracy']:.3f} ({first['correct']}/{first['test_images']} test "
-             f"images), {epochs} epochs on {world} ranks in {result['seconds']:.0f} s")
+             f"images), {first['epochs']} epochs on {job.plan.world_size} ranks in {seconds:.0f} s")
         echo(f"checkpoint: {first['checkpoint']}")
-    echo(f"metrics: {metrics.url} ({len(job.metrics)} rows: {', '.join(job.metrics.columns)})")
+    echo(f"metrics: {metrics_url} ({len(job.metrics)} rows: {', '.join(job.metrics.columns)})")
     return result
 
 
@@ -267,7 +287,7 @@ def build_model():
 def train(train_set, test_set, epochs: int, batch_size: int, lr: float) -> dict:
     """One rank of the demo's training (the function given to ``dask_ddp.dispatch.run``).
 
-    Returns ``{"rank", "test_accuracy", "correct", "test_images", "checkpoint"}``;
+    Returns ``{"rank", "epochs", "test_accuracy", "correct", "test_images", "checkpoint"}``;
     the accuracy is over the whole test split (every rank returns the same).
 
     Raises
@@ -320,8 +340,8 @@ def train(train_set, test_set, epochs: int, batch_size: int, lr: float) -> dict:
     torch.distributed.barrier()  # every rank on this host is done with the cache
     if ctx.local_rank == 0:
         shutil.rmtree(cache, ignore_errors=True)
-    return {"rank": ctx.rank, "test_accuracy": hits / total, "correct": hits, "test_images": total,
-            "checkpoint": checkpoint}
+    return {"rank": ctx.rank, "epochs": epochs, "test_accuracy": hits / total, "correct": hits,
+            "test_images": total, "checkpoint": checkpoint}
 
 
 def _with_cache(dataset, cache: str):

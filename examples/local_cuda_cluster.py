@@ -39,7 +39,7 @@ def train(steps: int, lr: float = 0.05) -> dict:
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
                 .to(ctx.device), device_ids=ctx.device_ids)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randn(256, 64, device=ctx.device)
         loss = (model(x) - x[:, :1]).pow(2).mean()
         opt.zero_grad()
