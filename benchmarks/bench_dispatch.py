@@ -3,7 +3,6 @@
 Usage::
 
     python benchmarks/bench_dispatch.py [--repeats 5] [--refill-wait 6] [--out benchmarks/RESULTS_dispatch.md]
-    python benchmarks/bench_dispatch.py --parts cnn --no-malloc-trim --append   # the workaround below
 
 Both sides run literally the same training functions (``train_linear`` and
 ``train_cnn`` below): dask-ddp ships them by value; for torchrun their source
@@ -16,48 +15,37 @@ calls ``init_process_group("gloo")`` itself. Two ranks, gloo, CPU, and
    * dask-ddp: a ``LocalCluster(n_workers=2, threads_per_worker=1)``, warmed by
      one job; time from ``run()`` to ``result()`` returning. "Warm": before
      each job the benchmark sleeps ``--refill-wait`` seconds (default 6) and
-     then also waits until each worker's spare rank process (started in the
-     background by the previous job) reports that it has imported torch.
-   * dask-ddp back-to-back: the same jobs with no pause in between; when a job
-     is shorter than a spare's start, the next job finds its worker's spare
-     still starting and starts a cold rank process of its own.
+     then also waits until each worker's spare rank process (started when the
+     previous job ended) reports that it has imported torch.
+   * dask-ddp back-to-back: the same jobs with no pause in between: each job
+     takes its worker's spare while it is still starting and waits for it.
    * torchrun: ``torchrun --standalone --nproc-per-node 2 script.py``, the
      whole subprocess's wall time (what a user waits for).
 
    The breakdown table times, inside the ranks, when the training function
    starts and how long its first ``DDP(...)`` takes: in torch 2.14 the first
    ``DistributedDataParallel`` of a process imports ``torch._dynamo`` (about
-   900 modules, seconds), which the spare has not imported.
+   900 modules, seconds); dask-ddp's spares import it before a job comes.
 
 2. Per-step overhead: 300 steps of a small CNN (3x3 convolutions 1->8->16
    channels with max-pooling, then Linear(784, 10), on random 1x28x28 batches
    of 32, fixed seeds), timed inside rank 0 with ``time.perf_counter`` around
    the loop only (``time.process_time`` too: the CPU seconds of rank 0's
-   process, less sensitive to other load on the machine). Each repeat runs,
-   in a rotating order, three variants:
-
-   * dask-ddp default: the job takes the warm spare and the worker at once
-     starts the next spare (a Python importing torch) while the loop runs;
-   * dask-ddp steady state: ``ddp.warm-spare`` is switched off on the workers
-     for that job, so no spare starts during the loop (the job still starts
-     from the warm spare); the spare is refilled afterwards;
-   * torchrun.
-
-   Before every variant the benchmark waits until the spares are ready, so
-   that no spare's start competes with the measured loop except in "default".
+   process, less sensitive to other load on the machine). Each repeat runs
+   dask-ddp and torchrun, alternating which goes first. Before each run the
+   benchmark waits until the spares are ready (a worker starts its next spare
+   when a job ends, so no spare starts during a loop).
 
 The final losses of both sides are compared: the same seeds must give the
 same numbers, a check that both sides really ran the same computation.
 
 Environment: torchrun runs with the environment this benchmark started with.
 A LocalCluster writes ``distributed.nanny.pre-spawn-environ`` into the
-environment of the process that starts it, and Dask workers (so dask-ddp's
-rank processes) run with ``MALLOC_TRIM_THRESHOLD_=65536``: glibc then stops
-adapting its mmap threshold, so every tensor over 128 KiB is mmap'ed and
-unmapped again each step (page faults, system time). ``--no-malloc-trim``
-drops the variable from the workers' environment (a user's workaround:
-``dask.config.set({"distributed.nanny.pre-spawn-environ": ...})`` before the
-cluster starts) to measure its share of the per-step overhead.
+environment of the process that starts it, and Dask workers run with
+``MALLOC_TRIM_THRESHOLD_=65536``: glibc then stops adapting its mmap
+threshold, so every tensor over 128 KiB is mmap'ed and unmapped again each
+step (page faults, system time; 1.28x torchrun's step time in an earlier
+run). dask-ddp's rank processes drop it; the report shows what the ranks saw.
 """
 
 from __future__ import annotations
@@ -184,18 +172,6 @@ def _spare_state() -> str:
     return "ready" if spare.conn.poll(0) else "starting"  # poll() peeks at the "ready" message, reads nothing
 
 
-def _set_warm_spare(on: bool) -> None:
-    import dask
-
-    dask.config.set({"ddp.warm-spare": on})
-
-
-def _refill() -> None:
-    from dask_ddp.supervisor import _SPARES
-
-    _SPARES.refill()
-
-
 def wait_warm(client, minimum: float = 0.0, limit: float = 90.0) -> float:
     """Sleep ``minimum`` seconds, then until every worker's spare is ready; return the seconds waited."""
     t0 = time.monotonic()
@@ -271,8 +247,6 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-steps", type=int, default=20)
     ap.add_argument("--cnn-steps", type=int, default=300)
     ap.add_argument("--parts", default="latency,cnn", help="comma-separated: latency, cnn")
-    ap.add_argument("--no-malloc-trim", action="store_true",
-                    help="drop MALLOC_TRIM_THRESHOLD_ from distributed.nanny.pre-spawn-environ (a user workaround)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_dispatch.md")))
     ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = ap.parse_args(argv)
@@ -286,10 +260,6 @@ def main(argv=None) -> int:
     from dask.distributed import Client, LocalCluster
 
     logging.getLogger("dask_ddp").setLevel(logging.WARNING)
-    if args.no_malloc_trim:
-        env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
-        env.pop("MALLOC_TRIM_THRESHOLD_", None)
-        dask.config.set({"distributed.nanny.pre-spawn-environ": env})
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     n = args.repeats
     began = time.monotonic()
@@ -299,7 +269,7 @@ def main(argv=None) -> int:
     script = write_script(tmp)
     lat_kw = {"steps": args.latency_steps, "seed": 0}
     cnn_kw = {"steps": args.cnn_steps, "seed": 0}
-    res: dict[str, list] = {k: [] for k in ("dask", "b2b", "torchrun", "cnn_default", "cnn_steady", "cnn_torchrun")}
+    res: dict[str, list] = {k: [] for k in ("dask", "b2b", "torchrun", "cnn_dask", "cnn_torchrun")}
     waits = []
 
     def log(msg):
@@ -329,28 +299,18 @@ def main(argv=None) -> int:
                 res["b2b"].append(dask_job(client, train_linear, **lat_kw))
             log("back-to-back: " + ", ".join(f"{r['wall']:.2f}" for r in res["b2b"]))
 
-        # 2. per-step overhead, three variants in a rotating order
-        def default():
-            res["cnn_default"].append(dask_job(client, train_cnn, **cnn_kw))
-
-        def steady():
-            client.run(_set_warm_spare, False)
-            try:
-                res["cnn_steady"].append(dask_job(client, train_cnn, **cnn_kw))
-            finally:
-                client.run(_set_warm_spare, True)
-                client.run(_refill)
+        # 2. per-step overhead, dask-ddp and torchrun alternating which goes first
+        def dask_cnn():
+            res["cnn_dask"].append(dask_job(client, train_cnn, **cnn_kw))
 
         def baseline():
             res["cnn_torchrun"].append(torchrun_job(torchrun, script, "train_cnn", **cnn_kw))
 
-        variants = [default, steady, baseline]
         for i in range(n if "cnn" in parts else 0):
-            for v in variants[i % 3:] + variants[:i % 3]:
+            for v in ([dask_cnn, baseline] if i % 2 == 0 else [baseline, dask_cnn]):
                 wait_warm(client, 1.0)
                 v()
-            log(f"cnn {i + 1}/{n}: loop dask default {res['cnn_default'][-1]['rank0']['loop_s']:.3f} s, "
-                f"steady {res['cnn_steady'][-1]['rank0']['loop_s']:.3f} s, "
+            log(f"cnn {i + 1}/{n}: loop dask {res['cnn_dask'][-1]['rank0']['loop_s']:.3f} s, "
                 f"torchrun {res['cnn_torchrun'][-1]['rank0']['loop_s']:.3f} s")
         load["end"] = os.getloadavg()
 
@@ -407,32 +367,31 @@ def report(args, parts, res, waits, load, total, versions) -> str:
                 "dask back-to-back wall (s): " + ", ".join(f"{x:.3f}" for x in b_wall),
                 "torchrun wall (s): " + ", ".join(f"{x:.3f}" for x in t_wall)]
     if "cnn" in parts:
-        keys = ("cnn_steady", "cnn_default", "cnn_torchrun")
+        keys = ("cnn_dask", "cnn_torchrun")
         loops = {k: [r["rank0"]["loop_s"] for r in res[k]] for k in keys}
         steps = {k: [r["rank0"]["step_median_s"] * 1e3 for r in res[k]] for k in keys}
         cpus = {k: [r["rank0"]["loop_cpu_s"] for r in res[k]] for k in keys}
         base = "cnn_torchrun"
-        for k, label in (("cnn_steady", "steady state (no spare starting during the loop)"),
-                         ("cnn_default", "default (the next spare starts during the loop)")):
+        for k, label in (("cnn_dask", "wall time"),):
             r = med(loops[k]) / med(loops[base])
             paired = [a / b for a, b in zip(loops[k], loops[base])]  # each dask run against its repeat's torchrun
             lines.append(f"| CNN {args.cnn_steps}-step loop, rank 0, {label} | {spread(loops[k])} | "
                          f"{spread(loops[base])} | {r:.3f} (paired {min(paired):.2f}–{max(paired):.2f}) | ≤ 1.02 | "
                          f"{ok(r, 1.02)} |")
-        for k, label in (("cnn_steady", "steady state"), ("cnn_default", "default")):
+        for k in ("cnn_dask",):
             r = med(steps[k]) / med(steps[base])
-            lines.append(f"| CNN median step time, {label} | {spread(steps[k], 'ms', 2)} | "
+            lines.append(f"| CNN median step time | {spread(steps[k], 'ms', 2)} | "
                          f"{spread(steps[base], 'ms', 2)} | {r:.3f} | ≤ 1.02 | {ok(r, 1.02)} |")
-        for k, label in (("cnn_steady", "steady state"), ("cnn_default", "default")):
+        for k in ("cnn_dask",):
             r = med(cpus[k]) / med(cpus[base])
-            lines.append(f"| CNN loop, CPU seconds of rank 0's process (process_time), {label} | {spread(cpus[k])} | "
+            lines.append(f"| CNN loop, CPU seconds of rank 0's process (process_time) | {spread(cpus[k])} | "
                          f"{spread(cpus[base])} | {r:.3f} | (info) | |")
         raw += [f"CNN loop {k[4:]} (s): " + ", ".join(f"{x:.3f}" for x in loops[k]) for k in keys]
         raw += [f"CNN loop CPU {k[4:]} (s): " + ", ".join(f"{x:.3f}" for x in cpus[k]) for k in keys]
     lin = {r["rank0"]["loss"] for k in ("dask", "b2b", "torchrun") for r in res[k]}
-    cnn = {r["rank0"]["loss"] for k in ("cnn_default", "cnn_steady", "cnn_torchrun") for r in res[k]}
+    cnn = {r["rank0"]["loss"] for k in ("cnn_dask", "cnn_torchrun") for r in res[k]}
     trim = {side: sorted({str(r["rank0"]["malloc_trim"]) for k in keys_ for r in res[k]})
-            for side, keys_ in (("dask-ddp", ("dask", "b2b", "cnn_default", "cnn_steady")),
+            for side, keys_ in (("dask-ddp", ("dask", "b2b", "cnn_dask")),
                                 ("torchrun", ("torchrun", "cnn_torchrun")))}
     raw += [
         "waits for warm spares before warm dask jobs (s): " + ", ".join(f"{x:.1f}" for x in waits),
@@ -445,8 +404,7 @@ def report(args, parts, res, waits, load, total, versions) -> str:
     ]
     cmd = "python benchmarks/bench_dispatch.py" + "".join(f" {a}" for a in sys.argv[1:])
     header = [
-        "# dask-ddp dispatch benchmark: latency and per-step overhead against torchrun"
-        + (" (MALLOC_TRIM_THRESHOLD_ dropped from the Dask workers' environment)" if args.no_malloc_trim else ""),
+        "# dask-ddp dispatch benchmark: latency and per-step overhead against torchrun",
         "",
         f"Command: `{cmd}` (from the repository root, venv python)  ",
         f"Date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}  ",
@@ -459,7 +417,7 @@ def report(args, parts, res, waits, load, total, versions) -> str:
         f"benchmark sleeps {args.refill_wait:g} s and then waits until each worker's spare rank process has "
         "imported torch; the back-to-back row has no pause. torchrun latency is the wall time of the whole "
         "`torchrun --standalone --nproc-per-node 2 script.py` subprocess. The CNN loop is timed inside rank 0 "
-        "(perf_counter around the loop only); the three CNN variants alternate in a rotating order.",
+        "(perf_counter around the loop only); dask-ddp and torchrun alternate which runs first.",
         "",
     ]
     out = header + lines

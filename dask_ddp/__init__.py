@@ -6,8 +6,8 @@
 
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import dispatch
-from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import S3ImageFolder
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .data import ImageDecodeError, S3ImageFolder
 from .context import Context, all_reduce_mean, get_context, rank_zero_first, seed_everything
 from .errors import (
     ClientClosedError,
@@ -23,11 +23,14 @@ from .errors import (
 )
 from .job import Job
 from .reporting import report
+from .sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "dispatch", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
+    "dispatch", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state",
+    "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
     "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
+    "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics",
 ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import logging
 import os
 import signal
 import sys
@@ -276,31 +275,13 @@ def _local_cluster(workers: int | None, dask_cuda: bool):
     gpus = _gpu_count() if dask_cuda or workers is None else 0  # spare the client a torch import when it can
     kind, make = _local_cluster_kind(workers, dask_cuda, gpus)
     print(f"starting a local {kind} ...", file=sys.stderr)
-    quiet = _QuietVariablePolls()
-    core = logging.getLogger("distributed.core")  # the local scheduler lives in this process
-    core.addFilter(quiet)
+    with _sigint_ignored():  # the worker processes inherit SIG_IGN: Ctrl-C is this process's to handle
+        cluster = make()
     try:
-        with _sigint_ignored():  # the worker processes inherit SIG_IGN: Ctrl-C is this process's to handle
-            cluster = make()
-        try:
-            yield cluster
-        finally:
-            with _sigint_ignored():
-                cluster.close()
+        yield cluster
     finally:
-        core.removeFilter(quiet)
-
-
-class _QuietVariablePolls(logging.Filter):
-    """Drop the scheduler's ERROR record of a ``Variable.get(timeout=...)`` that timed out.
-
-    dask-ddp's ranks poll rank 0's port with short timeouts while rank 0
-    starts, and distributed 2026.7 logs each expiry with a full traceback.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[0] if record.exc_info else None
-        return not (record.args == ("variable_get",) and exc is not None and issubclass(exc, TimeoutError))
+        with _sigint_ignored():
+            cluster.close()
 
 
 def _gpu_count() -> int:

@@ -24,7 +24,7 @@ from . import plan as planning
 from .errors import ClientClosedError, PlanError, SerializationError
 from .job import Job
 
-__all__ = ["run", "LaunchSpec"]
+__all__ = ["run", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -193,6 +193,43 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
                                   total=total, stall_timeout=stall_timeout, max_restarts=max_restarts,
                                   checkpoint_dir=checkpoint_dir, timeout=timeout,
                                   extra={"storage_options": dict(checkpoint_options or {})}))._start()
+
+
+def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
+    """Start a warm rank process (torch imported) on each worker now, so that the next job starts fast.
+
+    Each worker keeps one such spare anyway after its first job (``ddp.warm-spare``);
+    call this once after the cluster starts to make the first job fast too.
+    Waits until the spares are ready (about the time of one ``import torch``).
+
+    Parameters
+    ----------
+    workers : None, int or list of str
+        As in :func:`run`: every worker (default), the first ``n``, or addresses/names.
+    timeout : float
+        Seconds to wait for the spares to be ready.
+
+    Returns
+    -------
+    dict
+        ``{worker address: True if its spare was ready in time}``.
+
+    Raises
+    ------
+    ClientClosedError
+        The client is not connected.
+    PlanError
+        Bad ``workers=``.
+    """
+    from .supervisor import warm_spare
+
+    if getattr(client, "status", None) != "running":
+        raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
+                                "create a new Client(...) for the cluster")
+    timeout = _number("timeout", timeout)
+    info = client.scheduler_info(n_workers=-1)
+    plan = planning.make_plan(planning.workers_from_scheduler_info(info), workers, None)
+    return client.run(warm_spare, timeout, workers=list(plan.addresses))
 
 
 def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,

@@ -91,7 +91,13 @@ class Relay:
 
 
 class Subscription:
-    """A job's view of its topic: every batch once, in arrival order, through a thread-safe queue."""
+    """A job's view of its topic: every batch once, in arrival order, through a thread-safe queue.
+
+    Subscribing goes over the client's batched stream to the scheduler, the same
+    stream that later submits the ranks' tasks, so the scheduler has the
+    subscription before any rank can publish. :meth:`backfill` fetches what was
+    published before (``get_events``); :meth:`accept` drops the duplicates.
+    """
 
     def __init__(self, client, topic: str):
         self.client, self.topic = client, topic

@@ -72,6 +72,7 @@ class Job:
         self._error: BaseException | None = None
         self._values: list | None = None
         self._cancel_requested = False
+        self._settled = False  # True once the end state is set and on_finish callbacks have run
         self._callbacks = list(spec.callbacks)
         self._broken_callbacks: set[int] = set()
         self._sub = Subscription(client, self.topic)
@@ -89,8 +90,8 @@ class Job:
         return self.attempt.plan if self.attempt else None
 
     def done(self) -> bool:
-        """True once the job has FINISHED, FAILED or been CANCELLED."""
-        return self.state in ("FINISHED", "FAILED", "CANCELLED")
+        """True once the job has FINISHED, FAILED or been CANCELLED (and its on_finish callbacks have run)."""
+        return self._settled
 
     def wait(self, timeout: float | None = None, *, progress: bool | None = None) -> bool:
         """Block until the job ends or ``timeout`` seconds pass, with a progress bar; True if it ended.
@@ -256,7 +257,9 @@ class Job:
             self._cond.notify_all()
         if item.get("kind") == "log" and self.spec.echo_logs:
             Progress.write(_format_log(item), item.get("stream") == "stderr")
-        self._call("on_metrics" if item.get("kind") == "metric" else "on_log", item)
+        kind = item.get("kind")
+        if kind in ("metric", "log"):
+            self._call("on_metrics" if kind == "metric" else "on_log", item)
 
     def _check_ranks(self) -> None:
         att = self.attempt
@@ -403,6 +406,7 @@ class Job:
         try:
             Event(att.names["abort"], client=self.client).clear()
             Variable(att.names["port"], client=self.client).delete()
+            Event(att.names["port"] + "-ready", client=self.client).clear()
         except Exception:  # noqa: BLE001
             pass
 
@@ -411,7 +415,10 @@ class Job:
         self._transition(state, cause or (str(error) if error else ""))
         if error is not None:
             self._call("on_failure", self, error)
-        self._call("on_finish", self)
+        self._call("on_finish", self)  # before waking result(): a sink's file is complete when result() returns
+        with self._cond:
+            self._settled = True
+            self._cond.notify_all()
 
     def _transition(self, new: str, cause: str) -> None:
         with self._cond:

@@ -136,6 +136,7 @@ def _run_job(chan: _Channel, payload: dict) -> None:
         os.environ["MASTER_PORT"] = str(store.port)
         backend = _agree_backend(store, rank, world_size, payload["backend"], device.type == "cuda")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        _join(store, world_size)
         context._set_context(context.Context(
             rank=rank, local_rank=spec["local_rank"], world_size=world_size,
             local_world_size=spec["local_world_size"], node_rank=spec["node_rank"], num_nodes=spec["num_nodes"],
@@ -157,6 +158,13 @@ def _run_job(chan: _Channel, payload: dict) -> None:
     chan.send(message)
 
 
+def _join(store, world_size: int) -> None:
+    """Wait until every rank has its process group: no rank starts the function (and fails) before all joined."""
+    if store.add("dask_ddp/joined", 1) == world_size:
+        store.set("dask_ddp/all_joined", "1")
+    store.wait(["dask_ddp/all_joined"])
+
+
 def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
     """Rank 0 hosts the store: it stays until every rank has finished, so no rank loses it early."""
     store.add("dask_ddp/done", 1)
@@ -173,6 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     import cloudpickle  # noqa: F401 - warm the imports a job needs before announcing readiness
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401 - DistributedDataParallel
+    try:  # DDP's first construction imports torch._dynamo: seconds that a job would otherwise wait for
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - an optional speed-up only
+        pass
 
     import dask_ddp.context  # noqa: F401
 

@@ -3,7 +3,8 @@
 One :func:`supervise` task per rank, pinned to its worker. It takes a warm
 rank process (a spare started after the previous job, or a new one), does
 the rendezvous (rank 0's child binds the store on port 0 and the supervisor
-publishes the port in a Dask ``Variable``; the others wait for it), starts
+publishes the port in a Dask ``Variable`` and sets an ``Event``; the others
+wait for it), starts
 the job, relays the child's stdout/stderr and reports as Dask events, and
 watches the job's abort ``Event``. It never raises for a rank's failure: it
 returns a :class:`RankOutcome` and the client's :class:`~dask_ddp.job.Job`
@@ -28,7 +29,7 @@ import dask
 
 from .events import Relay
 
-__all__ = ["RankOutcome", "supervise", "rank_process_pids", "dump_stacks"]
+__all__ = ["RankOutcome", "supervise", "rank_process_pids", "dump_stacks", "warm_spare"]
 
 _ACTIVE: dict[tuple[str, int], "Supervisor"] = {}  # live supervisors of this worker, for dump_stacks
 
@@ -55,6 +56,11 @@ class RankProcess:
     def __init__(self):
         parent, child = socket.socketpair()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # The Nanny sets MALLOC_TRIM_THRESHOLD_=65536 for the worker (distributed.nanny.pre-spawn-environ);
+        # in a training process it makes glibc give memory back after every step: a few % slower per step.
+        if env.get("MALLOC_TRIM_THRESHOLD_") == str(dask.config.get("distributed.nanny.pre-spawn-environ", {})
+                                                   .get("MALLOC_TRIM_THRESHOLD_", "")):
+            env.pop("MALLOC_TRIM_THRESHOLD_")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dask_ddp.rank", str(child.fileno())], pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -90,12 +96,14 @@ class _Spares:
     """At most one warm, unused rank process per Dask worker process."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._spare: RankProcess | None = None
         self._filling = False
 
     def take(self) -> RankProcess:
+        """The warm spare if there is one (waiting for one being started), else a new rank process."""
         with self._lock:
+            self._lock.wait_for(lambda: not self._filling, timeout=10)
             spare, self._spare = self._spare, None
         if spare is not None and spare.alive():
             return spare
@@ -103,9 +111,9 @@ class _Spares:
             spare.kill()
         return RankProcess()
 
-    def refill(self) -> None:
-        """Start a spare in the background for the next job (ddp.warm-spare)."""
-        if not dask.config.get("ddp.warm-spare"):
+    def refill(self, force: bool = False) -> None:
+        """Start a spare in the background for the next job (ddp.warm-spare, or ``force``)."""
+        if not (force or dask.config.get("ddp.warm-spare")):
             return
         with self._lock:
             if self._spare is not None or self._filling:
@@ -113,11 +121,33 @@ class _Spares:
             self._filling = True
 
         def fill():
-            proc = RankProcess()
+            try:
+                proc = RankProcess()
+            except Exception:  # noqa: BLE001 - no spare then; take() starts one when needed
+                proc = None
             with self._lock:
                 self._spare, self._filling = proc, False
+                self._lock.notify_all()
 
         threading.Thread(target=fill, name="dask-ddp-spare", daemon=True).start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the spare has imported torch (its "ready" is waiting to be read); True if it has."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._lock.wait_for(lambda: not self._filling, timeout=timeout)
+            spare = self._spare
+        if spare is None or not spare.alive():
+            return False
+        while time.monotonic() < deadline:  # poll: take() may hand the spare to a job meanwhile
+            try:
+                if spare.conn.poll(0.1):
+                    return True
+            except OSError:  # closed: a job took it and has finished with it
+                return False
+            if not spare.alive():
+                return False
+        return False
 
     def pids(self) -> list[int]:
         with self._lock:
@@ -130,6 +160,14 @@ _SPARES = _Spares()
 def rank_process_pids() -> dict:
     """Pids of this worker's rank processes: ``{"spare": [...], "running": [...]}`` (for tests and tools)."""
     return {"spare": _SPARES.pids(), "running": [s.child.pid for s in list(_ACTIVE.values()) if s.child]}
+
+
+async def warm_spare(timeout: float = 120.0) -> bool:
+    """Start this worker's spare rank process now and wait until torch is imported; run through ``client.run``."""
+    import asyncio
+
+    _SPARES.refill(force=True)
+    return await asyncio.to_thread(_SPARES.wait_ready, timeout)
 
 
 async def dump_stacks(run_id: str, timeout: float = 5.0) -> dict:
@@ -167,7 +205,6 @@ class Supervisor:
         started = time.time()
         try:
             self.child = _SPARES.take()
-            _SPARES.refill()
             self._pump_output()
             self.relay.start()
             self.outcome = self._drive()
@@ -177,6 +214,9 @@ class Supervisor:
             _ACTIVE.pop(key, None)
             if self.child is not None:
                 self.child.kill()
+            # The next job's spare starts now, not while this one trains: importing torch beside a training
+            # rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md).
+            _SPARES.refill()
             self.relay.stop()
         self.outcome.started = started
         self.outcome.last_seq = self.relay.seq
@@ -218,17 +258,16 @@ class Supervisor:
                           f"{timeout:.0f} s", exc=RendezvousError)
 
     def _wait_port(self):
-        from distributed import Variable
+        from distributed import Event, Variable
 
-        var = Variable(self.task["port_variable"])
+        # Wait on an Event (a timed-out Event.wait is quiet; a timed-out Variable.get logs a scheduler ERROR)
+        ready = Event(self.task["port_variable"] + "-ready")
         deadline = time.monotonic() + self.task["rendezvous_timeout"]
         while time.monotonic() < deadline:
             if self._aborted():
                 return self._fail("aborted", "stopped because another rank failed or the job was cancelled")
-            try:
-                return int(var.get(timeout=0.25))
-            except TimeoutError:
-                continue
+            if ready.wait(timeout=self.task["poll_interval"]):
+                return int(Variable(self.task["port_variable"]).get())
         from .errors import RendezvousError
         return self._fail("error", f"rank {self.rank} on worker {self.address} waited "
                           f"{self.task['rendezvous_timeout']:.0f} s for rank 0 to open the rendezvous store; "
@@ -263,8 +302,9 @@ class Supervisor:
         if kind == "events":
             self.relay.extend(msg[1])
         elif kind == "port":
-            from distributed import Variable
+            from distributed import Event, Variable
             Variable(self.task["port_variable"]).set(int(msg[1]))
+            Event(self.task["port_variable"] + "-ready").set()
         elif kind == "stacks":
             self._stacks.append(msg[1])
             self._stacks_ready.set()

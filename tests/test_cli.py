@@ -6,7 +6,6 @@ marker may be left (workers, rank processes, spares, DataLoader workers).
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -292,20 +291,6 @@ def test_local_cuda_cluster_choice_with_dask_cuda(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "dask_cuda" else None)
     assert cli._local_cluster_kind(None, True, 2)[0] == "LocalCUDACluster with 2 workers (one GPU each)"
-
-
-def test_variable_poll_noise_filter():
-    from dask_ddp.cli import _QuietVariablePolls
-
-    def record(args, exc):
-        return logging.LogRecord("distributed.core", logging.ERROR, __file__, 1, "Exception while handling op %s",
-                                 args, (exc, exc(), None) if exc else None)
-
-    quiet = _QuietVariablePolls()
-    assert not quiet.filter(record(("variable_get",), TimeoutError))
-    assert quiet.filter(record(("variable_get",), ValueError))
-    assert quiet.filter(record(("gather",), TimeoutError))
-    assert quiet.filter(record(("variable_get",), None))
 
 
 def test_load_script_errors(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -13,7 +14,7 @@ from dask.distributed import Client, LocalCluster
 import dask_ddp
 from dask_ddp import dispatch
 
-from _cluster import leftover_processes, no_running_ranks
+from _cluster import leftover_processes, no_running_ranks, rank_process_pids
 
 TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -59,7 +60,7 @@ def env_and_context():
     return {"env": {k: os.environ.get(k) for k in TORCHRUN_VARS}, "rank": ctx.rank, "local_rank": ctx.local_rank,
             "world_size": ctx.world_size, "node_rank": ctx.node_rank, "device": str(ctx.device),
             "backend": dist.get_backend(), "pg_rank": dist.get_rank(), "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "worker": ctx.worker}
+            "worker": ctx.worker, "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
 
 
 def test_ddp_parameters_identical_after_training(client):
@@ -90,6 +91,7 @@ def test_torchrun_env_and_context(client):
         assert env["TORCHELASTIC_RUN_ID"] == job.run_id
         assert got["rank"] == got["pg_rank"] == r and got["backend"] == "gloo" and got["device"] == "cpu"
         assert got["worker"] == addrs[r]
+        assert got["malloc_trim"] is None, "the Nanny's MALLOC_TRIM_THRESHOLD_ slows training; not for ranks"
     leaked = client.run(lambda: [k for k in TORCHRUN_VARS if k in os.environ])
     assert all(v == [] for v in leaked.values()), f"env leaked into the Dask workers: {leaked}"
 
@@ -103,15 +105,30 @@ def test_twenty_jobs_in_a_row_no_cache_no_port_left(client):
         dist.all_reduce(t)
         return t.item(), int(os.environ["MASTER_PORT"])
 
-    ports = []
-    for i in range(20):
-        values = run(client, tiny, 1).result(timeout=120)  # same function, same argument every time
-        assert [v[0] for v in values] == [2.0, 2.0]
-        ports.append(values[0][1])
+    errors = _Records()
+    logging.getLogger("distributed").addHandler(errors)  # the scheduler runs in this process
+    try:
+        ports = []
+        for i in range(20):
+            values = run(client, tiny, 1).result(timeout=120)  # same function, same argument every time
+            assert [v[0] for v in values] == [2.0, 2.0]
+            ports.append(values[0][1])
+    finally:
+        logging.getLogger("distributed").removeHandler(errors)
+    assert errors.records == [], "the rendezvous must not make the scheduler log errors"
     for port in set(ports):
         with socket.socket() as s:  # nothing listens any more: a connect is refused
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still bound"
     assert leftover_processes(client) == []
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(self.format(record))
 
 
 def test_helpers_rank_zero_first_seed_all_reduce(client):
@@ -223,6 +240,17 @@ def test_two_concurrent_jobs_on_disjoint_workers():
 
 
 # ---- bad input: a clear error before anything starts ---------------------------------------------------------
+
+def test_warm_up_starts_the_spares_the_next_job_uses(client):
+    with pytest.raises(dask_ddp.PlanError, match="asked for 3 workers"):
+        dispatch.warm_up(client, workers=3)
+    ready = dispatch.warm_up(client, timeout=120)
+    assert sorted(ready) == sorted(client.scheduler_info(n_workers=-1)["workers"]) and all(ready.values())
+    spares = {addr: got["spare"] for addr, got in rank_process_pids(client).items()}
+    assert all(len(p) == 1 for p in spares.values()), spares
+    values = run(client, os.getpid).result(timeout=120)
+    assert set(values) == {p[0] for p in spares.values()}, "the job must run in the warmed spares"
+
 
 def test_bad_input(client):
     lock = threading.Lock()
