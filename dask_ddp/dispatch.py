@@ -148,9 +148,13 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     *args, **kwargs
         Passed to ``fn`` on every rank. Keyword names of ``run`` itself (below)
         are taken by ``run``.
-    workers : None, int or list of str
-        Every worker (default), the first ``n`` in rank order, or worker
-        addresses/names. Ranks are ordered by host, then worker name, then port.
+    workers : None, int, list of str, or (min, max)
+        Every worker (default), the first ``n`` in rank order, worker
+        addresses/names (a list), or elastic bounds: a tuple ``(min, max)``
+        starts on as many workers as there are up to ``max`` (None: no limit)
+        and, with ``max_restarts``, restarts after a loss on the workers left
+        if at least ``min`` are there. Ranks are ordered by host, then worker
+        name, then port.
     backend : "auto", "nccl" or "gloo"
         ``auto`` (default, ``ddp.backend``) picks nccl when every rank has a
         GPU and gloo otherwise.
@@ -169,7 +173,9 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         (so slow starts never count); then the job fails with every rank's
         stack dump. Default ``ddp.stall-timeout`` (off).
     max_restarts : int
-        Restart the whole group this many times after a failure.
+        Restart the whole group this many times after a failure: with the same
+        number of workers (waiting up to ``ddp.restart-wait`` seconds for
+        them), or within the elastic bounds of ``workers=(min, max)``.
     checkpoint_dir : str
         fsspec URL for :func:`dask_ddp.save_checkpoint` / ``load_checkpoint``.
     checkpoint_options : dict
@@ -255,7 +261,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         backend=backend, master_addr=master_addr, name=name,
         timeout=_number("timeout", cfg["timeout"] if timeout is None else timeout, minimum=1),
         rendezvous_timeout=cfg["rendezvous-timeout"], spawn_timeout=cfg["spawn-timeout"],
-        poll_interval=cfg["poll-interval"],
+        poll_interval=cfg["poll-interval"], restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
         stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
                               minimum=0.1, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,

@@ -339,18 +339,25 @@ class Job:
     def _restart(self, att: _Attempt, decision) -> None:
         self._transition("RESTARTING", decision.reason)
         self._call("on_restart", self, att.index + 1)
-        n = att.plan.world_size
+        n, selection = att.plan.world_size, self.spec.workers
+        bounds = planning.elastic_bounds(selection)
+        if bounds is not None:  # elastic: on the workers there are now, within the bounds
+            n = bounds[0]
+        elif selection is None or isinstance(selection, int):
+            selection = n  # the same world size, on the workers there are now
         try:
             self.client.wait_for_workers(n, timeout=self.spec.restart_wait)
             workers = planning.workers_from_scheduler_info(self.client.scheduler_info(n_workers=-1))
-            plan = planning.make_plan(workers, n if self.spec.workers is None or isinstance(self.spec.workers, int)
-                                      else self.spec.workers, self.spec.master_addr)
+            plan = planning.make_plan(workers, selection, self.spec.master_addr)
         except Exception as exc:  # noqa: BLE001
             err = self._root_error(att, decision)
             err.add_note(f"[dask-ddp] no restart: {n} workers were not available within "
                          f"{self.spec.restart_wait} s ({exc})")
             self._end("FAILED", err, f"restart impossible: {exc}")
             return
+        if plan.world_size != att.plan.world_size:
+            logger.warning("job %s: attempt %d runs on %d workers (attempt %d had %d)", self.run_id,
+                           att.index + 2, plan.world_size, att.index + 1, att.plan.world_size)
         self._launch(att.index + 1, plan)
 
     def _await_events(self, att: _Attempt, wait: float = 5.0) -> None:

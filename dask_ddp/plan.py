@@ -109,15 +109,45 @@ def _order(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
     return sorted(workers, key=lambda w: (_host_key(w.host), _natural_key(w.name), w.port))
 
 
+def elastic_bounds(selection: Any) -> tuple[int, int | None] | None:
+    """``(min, max)`` when ``workers=`` asks for an elastic job (a tuple of two counts), else None.
+
+    Raises
+    ------
+    PlanError
+        If the bounds are not ``1 <= min <= max`` (``max`` may be None: every worker).
+    """
+    if not (isinstance(selection, tuple) and len(selection) == 2 and _count(selection[0])
+            and (selection[1] is None or _count(selection[1]))):
+        return None
+    lo, hi = selection
+    if lo < 1 or (hi is not None and hi < lo):
+        raise PlanError(f"workers={selection!r}: elastic bounds must be (min, max) with 1 <= min <= max "
+                        "(max None for every worker)")
+    return lo, hi
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _select(workers: Sequence[WorkerInfo], selection: Any) -> list[WorkerInfo]:
     available = len(workers)
+    bounds = elastic_bounds(selection)
+    if bounds is not None:
+        lo, hi = bounds
+        if available < lo:
+            raise PlanError(f"workers={selection!r} needs at least {lo} workers, the cluster has {available}: "
+                            f"scale the cluster up or lower the minimum")
+        return _order(workers)[:available if hi is None else min(hi, available)]
     if selection is None:
         if not workers:
             raise PlanError("the cluster has no workers: start some (cluster.scale(n)) or wait for them "
                             "(client.wait_for_workers(n)) before dispatching")
         return list(workers)
     if isinstance(selection, bool) or not isinstance(selection, (int, list, tuple)):
-        raise PlanError(f"workers= takes a count, or a list of worker addresses or names; got {selection!r}")
+        raise PlanError(f"workers= takes a count, a list of worker addresses or names, or (min, max) counts; "
+                        f"got {selection!r}")
     if isinstance(selection, int):
         if selection < 1:
             raise PlanError(f"workers={selection}: ask for at least 1 worker")
@@ -151,8 +181,9 @@ def make_plan(workers: Sequence[WorkerInfo], selection: Any = None, master_addr:
     workers
         Every worker of the cluster.
     selection
-        None for all workers, an int for the first ``n`` in rank order, or a
-        list of worker addresses or names.
+        None for all workers, an int for the first ``n`` in rank order, a
+        list of worker addresses or names, or a tuple ``(min, max)`` of counts
+        (elastic: as many as there are, at most ``max``, at least ``min``).
     master_addr
         Host of the rendezvous store; defaults to rank 0's host as the
         scheduler sees it.
@@ -160,8 +191,9 @@ def make_plan(workers: Sequence[WorkerInfo], selection: Any = None, master_addr:
     Raises
     ------
     PlanError
-        If the selection asks for more workers than exist, names unknown or
-        repeated workers, or is of the wrong type.
+        If the selection asks for more workers than exist (or fewer than an
+        elastic minimum exist), names unknown or repeated workers, or is of
+        the wrong type.
     """
     chosen = _order(_select(workers, selection))
     hosts: list[str] = []

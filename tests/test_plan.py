@@ -49,7 +49,20 @@ def test_selection_by_count_address_and_name():
     assert make_plan(ws, ["w2", "tcp://127.0.0.1:3000"]).addresses == ["tcp://127.0.0.1:3000", "tcp://127.0.0.1:5000"]
 
 
+def test_elastic_bounds():
+    ws = [w(f"tcp://127.0.0.1:{p}", f"w{i}") for i, p in enumerate([4000, 3000, 5000])]
+    assert make_plan(ws, (1, None)).world_size == 3
+    assert make_plan(ws, (2, 3)).world_size == 3
+    assert make_plan(ws, (1, 2)).addresses == ["tcp://127.0.0.1:4000", "tcp://127.0.0.1:3000"]  # the first, by name
+    assert make_plan(ws[:2], (2, 4)).world_size == 2  # after a loss: what is left, if at least min
+    with pytest.raises(dask_ddp.PlanError, match=r"needs at least 3 workers, the cluster has 2"):
+        make_plan(ws[:2], (3, 4))
+    assert make_plan(ws, ("w2", "w0")).addresses == ["tcp://127.0.0.1:4000", "tcp://127.0.0.1:5000"]  # names
+
+
 @pytest.mark.parametrize("selection, message", [
+    ((0, 2), "1 <= min <= max"),
+    ((3, 2), "1 <= min <= max"),
     (4, "asked for 4 workers, the cluster has 3"),
     (0, "at least 1"),
     (["nope"], "unknown worker"),

@@ -253,3 +253,37 @@ def test_killed_and_restarted_training_is_bitwise_equal(client, tmp_path):
     assert (clean[0] == clean[1]).all()
     assert all((a == b).all() for a, b in zip(clean, resumed)), "resumed training differs from the clean run"
     assert leftover_processes(client) == []
+
+
+def test_elastic_restart_on_the_workers_left():
+    """workers=(2, 3): rank 2's worker is closed for good; the job restarts on the 2 workers left."""
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            def train():
+                import torch
+                import torch.distributed as dist
+
+                ctx = dask_ddp.get_context()
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                dask_ddp.report(world=ctx.world_size)
+                if ctx.restart_count == 0:
+                    _spin_in_collectives()  # until rank 2's worker is closed
+                return ctx.world_size, ctx.restart_count, int(t.item())
+
+            job = run(c, train, workers=(2, 3), max_restarts=1)
+            deadline = time.time() + 60
+            while len(job.metrics) < 3 and time.time() < deadline:
+                time.sleep(0.1)
+            assert job.plan.world_size == 3
+            victim = job.plan.addresses[2]
+            c.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"),
+                  workers=[victim])
+            assert job.result(timeout=120) == [(2, 1, 2), (2, 1, 2)]
+            assert victim not in job.plan.addresses
+            assert [s for _, _, s, _ in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
+            m = job.metrics
+            assert sorted(m[m["attempt"] == 0]["world"]) == [3, 3, 3] and sorted(m[m["attempt"] == 1]["world"]) == [2, 2]
+            with pytest.raises(dask_ddp.PlanError, match="needs at least 3 workers, the cluster has 2"):
+                run(c, train, workers=(3, None))
+            assert leftover_processes(c) == []
