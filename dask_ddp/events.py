@@ -146,6 +146,7 @@ class WorkerWatch:
     def __init__(self, client):
         self.client = client
         self._callbacks: dict[int, Callable[[str], None]] = {}
+        self._previous = None  # a handler the user had on "all": kept, called too, and put back afterwards
 
     @classmethod
     def of(cls, client) -> "WorkerWatch":
@@ -155,16 +156,22 @@ class WorkerWatch:
                 watch = cls._by_client[client] = cls(client)
             return watch
 
-    def _on_event(self, event) -> None:
+    def _on_event(self, event):
         msg = event[1]
         if isinstance(msg, dict) and msg.get("action") == "remove-worker":
             for callback in list(self._callbacks.values()):
                 callback(msg.get("worker", ""))
+        if self._previous is not None:
+            return self._previous(event)  # the client awaits it if it is a coroutine
+        return None
 
     def add(self, callback: Callable[[str], None]) -> int:
         """Call ``callback(address)`` when a worker leaves; subscribes while any job listens."""
         with self._lock:
             if not self._callbacks:
+                # Dask keeps one handler per topic and client: chain to the user's own, if any
+                # (Client._event_handlers is private; without it a user's handler would be replaced)
+                self._previous = getattr(self.client, "_event_handlers", {}).get("all")
                 self.client.subscribe_topic("all", self._on_event)
             token = id(callback)
             self._callbacks[token] = callback
@@ -175,6 +182,10 @@ class WorkerWatch:
             self._callbacks.pop(token, None)
             if not self._callbacks and self.client.status == "running":
                 try:
-                    self.client.unsubscribe_topic("all")
+                    if self._previous is not None:
+                        self.client.subscribe_topic("all", self._previous)
+                    else:
+                        self.client.unsubscribe_topic("all")
                 except Exception:  # noqa: BLE001
                     pass
+                self._previous = None

@@ -307,6 +307,34 @@ def test_subscription_backfills_what_was_logged_before_it(client):
         sub.close()
 
 
+def test_a_users_handler_on_the_all_topic_is_kept(client):
+    """dask-ddp listens on the scheduler's "all" topic for lost workers; a user's own handler stays in place."""
+    seen = []
+
+    def mine(event):
+        seen.append(event[1])
+
+    client.subscribe_topic("all", mine)
+    try:
+        def during_job():
+            time.sleep(1.0)
+            return 1
+
+        job = dispatch.run(client, during_job, progress=False)
+        assert job.result(timeout=120) == [1, 1]
+
+        def of_the_job():  # the scheduler's own events while the job ran, e.g. its port Variable's client
+            return [m for m in seen if job.run_id in str(m)]
+
+        deadline = time.monotonic() + 10
+        while not of_the_job() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert of_the_job(), f"the user's handler got nothing while the job ran: {seen}"
+        assert client._event_handlers.get("all") is mine, "the user's handler must be put back"
+    finally:
+        client.unsubscribe_topic("all")
+
+
 # ---- sinks and plot without a cluster -----------------------------------------------------------------------
 
 def _event(rank, step, **values):
