@@ -61,6 +61,9 @@ class LaunchSpec:
             "abort_event": names["abort"], "port_variable": names["port"],
             "rendezvous_timeout": self.rendezvous_timeout, "spawn_timeout": self.spawn_timeout,
             "poll_interval": self.poll_interval,
+            # a job that may restart keeps its workers' next spares warm while it runs: a restart then starts at
+            # once (a job that cannot restart starts them when it ends, so that they never compete with training)
+            "spare_early": attempt < self.max_restarts,
             "payload": {
                 "call": self.call, "run_id": run_id, "attempt": attempt, "backend": self.backend,
                 "master_addr": plan.master_addr, "timeout": self.timeout, "max_restarts": self.max_restarts,

@@ -307,10 +307,15 @@ class Job:
         except Exception as exc:  # noqa: BLE001
             per_worker = {"": {-1: f"(could not collect stacks: {exc!r})"}}
         stacks = {rk: text for got in per_worker.values() if isinstance(got, dict) for rk, text in got.items()}
-        worst = max(stale, key=stale.get)
+        # Ranks that wait inside a collective are usually waiting for the one that is not: blame that one
+        # (ranks in step report at about the same time, so the oldest report alone picks at random)
+        outside = [rk for rk in stale if rk in stacks and not _in_collective(stacks[rk])]
+        worst = max(outside or stale, key=stale.get)
+        where = (" and is not inside a collective (the others wait inside one)"
+                 if outside and len(outside) < len(stale) else "")
         dump = "\n".join(f"--- rank {rk} ---\n{stacks[rk]}" for rk in sorted(stacks))
         att.stalled = StallError(
-            f"job {self.run_id} stalled: rank {worst} sent no report for {stale[worst]:.0f} s "
+            f"job {self.run_id} stalled: rank {worst} sent no report for {stale[worst]:.0f} s{where} "
             f"(stall_timeout={limit} s; the clock of a rank starts at its first report). "
             f"Stack dump of every rank:\n{dump}", stacks=stacks, rank=worst,
             worker=att.plan.ranks[worst].address)
@@ -454,6 +459,14 @@ _FATE = {"ok": "finished", "aborted": "was stopped", "error": "raised", "died": 
 def _is_plain(cb) -> bool:
     return callable(cb) and not any(hasattr(cb, h) for h in
                                     ("on_start", "on_metrics", "on_log", "on_failure", "on_restart", "on_finish"))
+
+
+_COLLECTIVE_FRAMES = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/distributed.py")
+
+
+def _in_collective(stack: str) -> bool:
+    """Whether a rank's stack dump shows it inside torch.distributed or a backward pass (DDP's all-reduce)."""
+    return any(frame in stack.replace("\\", "/") for frame in _COLLECTIVE_FRAMES)
 
 
 def _format_log(item: dict) -> str:

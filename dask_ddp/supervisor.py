@@ -205,6 +205,8 @@ class Supervisor:
         started = time.time()
         try:
             self.child = _SPARES.take()
+            if self.task.get("spare_early"):
+                _SPARES.refill()
             self._pump_output()
             self.relay.start()
             self.outcome = self._drive()
@@ -215,7 +217,8 @@ class Supervisor:
             if self.child is not None:
                 self.child.kill()
             # The next job's spare starts now, not while this one trains: importing torch beside a training
-            # rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md).
+            # rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md). A job that may
+            # restart started it early instead (spare_early): then this is a no-op.
             _SPARES.refill()
             self.relay.stop()
         self.outcome.started = started
