@@ -171,7 +171,9 @@ class WorkerWatch:
             if not self._callbacks:
                 # Dask keeps one handler per topic and client: chain to the user's own, if any
                 # (Client._event_handlers is private; without it a user's handler would be replaced)
-                self._previous = getattr(self.client, "_event_handlers", {}).get("all")
+                previous = getattr(self.client, "_event_handlers", {}).get("all")
+                # unsubscribe_topic leaves the handler in that dict (distributed 2026.7): never chain to our own
+                self._previous = None if isinstance(getattr(previous, "__self__", None), WorkerWatch) else previous
                 self.client.subscribe_topic("all", self._on_event)
             token = id(callback)
             self._callbacks[token] = callback

@@ -149,13 +149,14 @@ def _run_job(chan: _Channel, payload: dict) -> None:
         _finish(store, rank, world_size)
         message = ("result", blob)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
-        # torch's DistError (a broken collective) on a survivor is a consequence, not a root cause
-        message = ("error", _serialize_error(exc, rank, worker), time.time(), isinstance(exc, dist.DistError))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # a broken collective on a survivor is a consequence, not a root cause
+        message = ("error", _serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
+    # The outcome goes out before the process group is destroyed: destroying it breaks the other ranks'
+    # collectives, and their errors must not reach the supervisors before this rank's own.
     flusher.stop()
     chan.send(message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _join(store, world_size: int) -> None:
@@ -163,6 +164,18 @@ def _join(store, world_size: int) -> None:
     if store.add("dask_ddp/joined", 1) == world_size:
         store.set("dask_ddp/all_joined", "1")
     store.wait(["dask_ddp/all_joined"])
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    """A failed collective (a peer went away): torch's DistError, or gloo's and NCCL's plain RuntimeErrors."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                  "NCCL error", "ProcessGroupNCCL", "ProcessGroupGloo"))
 
 
 def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:

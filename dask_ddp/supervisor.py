@@ -278,7 +278,7 @@ class Supervisor:
 
     def _watch(self) -> RankOutcome:
         """Relay the child's messages until it sends its result and exits, dies, or the job aborts."""
-        child, result = self.child, None
+        child, result, exit_by = self.child, None, None
         while True:
             if child.conn.poll(0.05):
                 try:
@@ -293,10 +293,14 @@ class Supervisor:
                     result = RankOutcome(self.rank, self.address, "error", error=msg[1], time=msg[2],
                                          secondary=msg[3])
                     self._set_abort()  # stop the others now, not when the client notices
+                if msg[0] in ("result", "error"):  # the child destroys its process group, then exits
+                    exit_by = time.monotonic() + 10
                 else:
                     self._handle(msg)
             elif not child.alive():
                 return result or self._died()
+            if exit_by is not None and time.monotonic() > exit_by:
+                return result  # stuck in destroy_process_group: the caller kills it, the outcome stands
             if result is None and self._aborted():
                 return self._fail("aborted", "stopped because another rank failed or the job was cancelled")
 
