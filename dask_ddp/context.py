@@ -32,9 +32,10 @@ class Context:
     rank, world_size : global rank and number of ranks.
     local_rank, local_world_size : index and count of ranks on this host.
     node_rank, num_nodes : index of this host and number of hosts.
-    device : ``torch.device("cuda:0")`` when the rank has a GPU (its own, under
-        dask-cuda), else ``torch.device("cpu")``.
-    device_ids : ``[0]`` with a GPU, else None; pass to ``DistributedDataParallel``.
+    device : the rank's GPU, else ``torch.device("cpu")``: ``cuda:0`` under
+        dask-cuda, ``cuda:LOCAL_RANK`` where workers see every GPU (see
+        :mod:`dask_ddp.devices` for the rule and for shared GPUs).
+    device_ids : ``[device.index]`` with a GPU, else None; pass to ``DistributedDataParallel``.
     backend : the torch.distributed backend in use ("nccl" or "gloo").
     run_id : the job's id; restart_count : the attempt, 0 first; max_restarts.
     worker : address of the Dask worker running this rank.

@@ -160,7 +160,9 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         name, then port.
     backend : "auto", "nccl" or "gloo"
         ``auto`` (default, ``ddp.backend``) picks nccl when every rank has a
-        GPU and gloo otherwise.
+        GPU of its own and gloo otherwise (ranks sharing a GPU train on it
+        with gloo); ``gloo`` keeps the ranks on the CPU. How ranks get their
+        GPUs: :mod:`dask_ddp.devices`.
     master_addr : str
         Host of the rendezvous store; default rank 0's host as the scheduler sees it.
     name : str

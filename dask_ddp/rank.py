@@ -32,6 +32,21 @@ def _die() -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+def _die_with_parent() -> None:
+    """Kill the rank (and its DataLoader workers) once the Dask worker that started it is gone.
+
+    Started before ``import torch``: the socket is read only after that import, which can take many
+    seconds on a loaded machine, and a spare must not outlive its worker for so long.
+    """
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        _die()
+    threading.Thread(target=watch, name="dask-ddp-parent-watch", daemon=True).start()
+
+
 def _format_stacks() -> str:
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
@@ -68,31 +83,6 @@ class _Channel:
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()
 
 
-def _pick_device(rank: int, worker: str, backend: str):
-    import torch
-
-    from .errors import PlanError
-
-    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if backend == "nccl" and not has_gpu:
-        raise PlanError(f"backend='nccl' needs a GPU, but rank {rank} on worker {worker} sees none "
-                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                        "use backend='gloo' or 'auto', or run on GPU workers (dask-cuda)", rank=rank, worker=worker)
-    if has_gpu and backend != "gloo":
-        torch.cuda.set_device(0)  # dask-cuda rotates CUDA_VISIBLE_DEVICES: device 0 is this worker's own GPU
-        return torch.device("cuda", 0), [0]
-    return torch.device("cpu"), None
-
-
-def _agree_backend(store, rank: int, world_size: int, backend: str, has_gpu: bool) -> str:
-    """'auto' -> nccl when every rank has a GPU, else gloo; decided through the store, same on all ranks."""
-    if backend != "auto":
-        return backend
-    store.set(f"dask_ddp/gpu/{rank}", "1" if has_gpu else "0")
-    flags = [store.get(f"dask_ddp/gpu/{r}") for r in range(world_size)]
-    return "nccl" if all(f == b"1" for f in flags) else "gloo"
-
-
 def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:
     import cloudpickle
     from tblib import pickling_support
@@ -114,7 +104,7 @@ def _run_job(chan: _Channel, payload: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import context, reporting
+    from . import context, devices, reporting
 
     spec = payload["rank"]
     rank, world_size, worker = spec["rank"], spec["world_size"], spec["address"]
@@ -125,7 +115,6 @@ def _run_job(chan: _Channel, payload: dict) -> None:
     try:
         os.environ.update(payload["env"])
         fn, args, kwargs = cloudpickle.loads(payload["call"])  # fails here, before any rendezvous, if it must
-        device, device_ids = _pick_device(rank, worker, payload["backend"])
         if rank == 0:
             store = dist.TCPStore(payload["master_addr"], 0, world_size, is_master=True, timeout=timeout,
                                   wait_for_workers=False)
@@ -134,8 +123,9 @@ def _run_job(chan: _Channel, payload: dict) -> None:
             store = dist.TCPStore(payload["master_addr"], payload["master_port"], world_size, is_master=False,
                                   timeout=timeout)
         os.environ["MASTER_PORT"] = str(store.port)
-        backend = _agree_backend(store, rank, world_size, payload["backend"], device.type == "cuda")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        backend, device, device_ids = devices.place(store, rank, world_size, worker, payload["backend"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)  # nccl: collectives on it
         _join(store, world_size)
         context._set_context(context.Context(
             rank=rank, local_rank=spec["local_rank"], world_size=world_size,
@@ -191,6 +181,7 @@ def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     chan = _Channel(Connection(int(argv[0])))
+    _die_with_parent()
     import cloudpickle  # noqa: F401 - warm the imports a job needs before announcing readiness
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -201,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         pass
 
     import dask_ddp.context  # noqa: F401
+    import dask_ddp.devices  # noqa: F401
 
     chan.send(("ready", os.getpid()))
     try:

@@ -9,12 +9,68 @@ LocalCUDACluster and nccl for real and are skipped where no GPU is visible.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
-from dask.distributed import Client, Nanny, Scheduler, SpecCluster
+from dask.distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 import dask_ddp
-from dask_ddp import dispatch
+from dask_ddp import devices, dispatch
+from dask_ddp.devices import Placement, assign, choose_backend
+
+# --- pure placement rule (no GPU, no cluster) ---
+
+A, B, C = "GPU-a", "GPU-b", "GPU-c"
+
+
+@pytest.mark.parametrize("visible, indices, backend", [
+    ([[A, B, C], [B, C, A], [C, A, B]], [0, 0, 0], "nccl"),  # dask-cuda's rotation: cuda:0 is each worker's own
+    ([[A, B], [A, B]], [0, 1], "nccl"),                      # workers that see every GPU: cuda:LOCAL_RANK
+    ([[A], [B]], [0, 0], "nccl"),                            # one GPU per host, two hosts
+    ([[A], [A]], [0, 0], "gloo"),                            # two ranks, one GPU: shared, so not nccl
+    ([[A, B], [A, B], [A, B]], [0, 1, 0], "gloo"),           # three ranks on two GPUs: the least used is shared
+    ([[A], []], [0, None], "gloo"),                          # a rank without a GPU
+    ([[], []], [None, None], "gloo"),
+])
+def test_assign_and_auto_backend(visible, indices, backend):
+    placements = assign(visible)
+    assert [p.index for p in placements] == indices
+    assert choose_backend("auto", placements) == backend
+    assert choose_backend("gloo", placements) == "gloo" and choose_backend("nccl", placements) == "nccl"
+
+
+def test_assign_names_who_shares():
+    assert assign([[A, B], [A, B], [A, B]]) == [Placement(0, A, (2,)), Placement(1, B, ()), Placement(0, A, (0,))]
+
+
+def test_nccl_on_a_shared_gpu_is_refused_naming_the_ranks(monkeypatch):
+    """place() through a real TCPStore; only the GPU is faked (none exists here): both ranks see one UUID."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(devices, "visible_gpus", lambda: (A,))
+    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    errors = {}
+
+    def rank(r):
+        store = master if r == 0 else dist.TCPStore("127.0.0.1", master.port, 2, is_master=False)
+        try:
+            devices.place(store, r, 2, f"tcp://w{r}:1", "nccl")
+        except dask_ddp.PlanError as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(errors) == [0, 1], "every rank refuses, so none waits in init_process_group"
+    for r, exc in errors.items():
+        assert exc.rank == r and exc.worker == f"tcp://w{r}:1"
+        text = str(exc)
+        assert "needs one GPU per rank" in text and f"shares GPU {A}" in text
+        assert "tcp://w0:1" in text and "tcp://w1:1" in text and "LocalCUDACluster" in text
+
+# --- dask-cuda's layout on CPU, and real GPUs ---
 
 
 def where_am_i():
@@ -26,8 +82,9 @@ def test_dask_cuda_rotation_on_cpu():
     n = 3
     rotate = lambda i: ",".join(str((i + k) % n) for k in range(n))  # noqa: E731 - dask-cuda's scheme
     # names are GPU ids; declared out of order so that rank order must come from the names
-    workers = {str(i): {"cls": Nanny, "options": {"nthreads": 1, "name": str(i),
-                                                  "env": {"CUDA_VISIBLE_DEVICES": rotate(i)}}}
+    # distributed's NVML diagnostics would look these GPUs up where a real (smaller) GPU host runs the test
+    env = lambda i: {"CUDA_VISIBLE_DEVICES": rotate(i), "DASK_DISTRIBUTED__DIAGNOSTICS__NVML": "False"}  # noqa: E731
+    workers = {str(i): {"cls": Nanny, "options": {"nthreads": 1, "name": str(i), "env": env(i)}}
                for i in (2, 0, 1)}
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
@@ -68,17 +125,73 @@ def test_local_cuda_cluster_nccl():
             assert cvd.split(",")[0] == str(rank)
 
 
+def placement_and_ddp():
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    dask_ddp.seed_everything(0)
+    model = DDP(torch.nn.Linear(8, 1).to(ctx.device), device_ids=ctx.device_ids)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        loss = model(torch.randn(16, 8, device=ctx.device)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    params = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+    return str(ctx.device), ctx.backend, str(torch.cuda.get_device_properties(ctx.device).uuid), params
+
+
+@pytest.mark.gpu
+def test_plain_local_cluster_gives_each_rank_its_own_gpu_or_shares_with_gloo():
+    """Workers that see every GPU: rank r takes cuda:r (torchrun's layout) and nccl; with fewer GPUs than
+    ranks they share, auto picks gloo, and an explicit nccl is refused with the ranks named."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        out = dispatch.run(client, placement_and_ddp, progress=False).result(timeout=300)
+        assert (out[0][3] == out[1][3]).all(), "DDP keeps the ranks' parameters identical"
+        if gpus >= 2:
+            assert [o[:2] for o in out] == [("cuda:0", "nccl"), ("cuda:1", "nccl")]
+            assert out[0][2] != out[1][2]
+        else:
+            assert [o[:2] for o in out] == [("cuda:0", "gloo"), ("cuda:0", "gloo")]
+            assert out[0][2] == out[1][2]
+            job = dispatch.run(client, placement_and_ddp, backend="nccl", progress=False)
+            with pytest.raises(dask_ddp.PlanError, match="needs one GPU per rank"):
+                job.result(timeout=300)
+
+
+def _gpu_used() -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info(0)
+    return total - free
+
+
 @pytest.mark.gpu
 def test_gpu_memory_freed_after_job():
-    import torch
+    """The device's used memory (every process's) is back to its level before the job once the job ends."""
+    import time
 
     dask_cuda = pytest.importorskip("dask_cuda")
     with dask_cuda.LocalCUDACluster(dashboard_address=":0") as cluster, Client(cluster) as client:
+        _gpu_used()  # this process's own CUDA context first, so that the baseline holds it
+        base = _gpu_used()
+
         def hog():
             import torch
-            x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
-            return x.numel()
 
-        dispatch.run(client, hog, progress=False).result(timeout=300)
-        free, total = torch.cuda.mem_get_info(0)
-        assert total - free < (1 << 30), "the rank process's GPU memory must be released when it exits"
+            x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
+            x.fill_(1)
+            return _gpu_used()
+
+        [during] = dispatch.run(client, hog, progress=False).result(timeout=300)
+        assert during - base >= 1 << 30, "the rank's gigabyte shows in the device's used memory"
+        deadline = time.monotonic() + 20
+        while _gpu_used() - base > 256 << 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _gpu_used() - base
+        assert left <= 256 << 20, f"{left >> 20} MiB still used after the job: the rank process must exit"

@@ -291,3 +291,37 @@ def test_elastic_restart_on_the_workers_left():
             with pytest.raises(dask_ddp.PlanError, match="needs at least 3 workers, the cluster has 2"):
                 run(c, train, workers=(3, None))
             assert leftover_processes(c) == []
+
+
+ORPHAN_MAKER = """
+import os, subprocess, sys
+from dask_ddp.supervisor import RankProcess
+
+rank = RankProcess()
+assert rank.conn.recv()[0] == "ready"
+# a sleeper holds the socket open: the rank sees no EOF, only that its parent (the 'worker') is gone
+sleeper = subprocess.Popen(["sleep", "60"], pass_fds=(rank.conn.fileno(),), start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(rank.pid, sleeper.pid, flush=True)
+os._exit(0)
+"""
+
+
+def test_rank_process_dies_with_its_worker_process():
+    """A rank process (spare or running) whose Dask worker process is gone kills itself within a second or so."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    out = subprocess.run([sys.executable, "-c", ORPHAN_MAKER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rank_pid, sleeper_pid = map(int, out.stdout.split())
+    try:
+        started = time.monotonic()
+        gone = psutil.wait_procs([psutil.Process(rank_pid)], timeout=10)[0] if psutil.pid_exists(rank_pid) else [1]
+        took = time.monotonic() - started
+        assert gone, "the orphaned rank process is still running 10 s after its parent exited"
+        assert took < 5, f"the orphaned rank process took {took:.1f} s to exit"
+    finally:
+        os.kill(sleeper_pid, signal.SIGKILL)
