@@ -56,6 +56,16 @@ def pil_loader(f: io.BufferedIOBase) -> Image.Image:
     return Image.open(f).convert("RGB")
 
 
+def _file_loader(loader: Callable) -> Callable:
+    """torchvision's own loaders ``open()`` a path: give their file-object twin instead (same result)."""
+    from torchvision import get_image_backend
+    from torchvision.datasets import folder
+
+    if loader is folder.pil_loader or (loader is folder.default_loader and get_image_backend() == "PIL"):
+        return pil_loader
+    return loader
+
+
 class _Options(dict):
     """``storage_options`` whose repr hides the values (credentials live there)."""
 
@@ -216,7 +226,9 @@ class S3ImageFolder(ImageFolder):
     loader : callable, optional
         Called with one binary file-like object (an ``io.BytesIO`` at offset 0
         whose ``.name`` is the sample URL); returns the sample. **Not a path**,
-        unlike ImageFolder's. Default: :func:`pil_loader` (PIL, ``.convert("RGB")``).
+        unlike ImageFolder's. Default: :func:`pil_loader` (PIL, ``.convert("RGB")``);
+        torchvision's ``pil_loader`` and ``default_loader`` (PIL backend) are
+        accepted too and replaced by it (they would ``open()`` the URL).
     is_valid_file : callable, optional
         Called with the sample URL; replaces the extension filter, as in ImageFolder.
     allow_empty : bool
@@ -273,7 +285,7 @@ class S3ImageFolder(ImageFolder):
         self.cache = os.fspath(cache) if cache is not None else None
         self.retries = int(retries)
         self._fs, self._fs_pid, self._base = None, None, url if url.endswith("/") else url + "/"
-        super().__init__(url, transform, target_transform, loader, is_valid_file, allow_empty)
+        super().__init__(url, transform, target_transform, _file_loader(loader), is_valid_file, allow_empty)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         """Classes are the sorted immediate sub-folders of the root, from the index (no I/O).

@@ -225,6 +225,16 @@ def test_user_loader_receives_a_named_binary_file(tree):
     assert name == got.samples[0][0] and size == len(TREE["bird/z.jpg"])
 
 
+@pytest.mark.parametrize("name", ["pil_loader", "default_loader"])
+def test_torchvisions_path_loaders_work_too(s3, local_tree, name):
+    from torchvision.datasets import folder
+
+    loader = getattr(folder, name)
+    url = _put_s3(s3, TREE)
+    ours = S3ImageFolder(url, transform=ToTensor(), loader=loader, storage_options=s3["storage_options"])
+    _same_items(_items(ours), _items(ImageFolder(local_tree, transform=ToTensor(), loader=loader)))
+
+
 def test_empty_class_raises_unless_allow_empty(s3, tmp_path):
     files = {**TREE, "empty/readme.txt": b"no image here"}
     url = _put_s3(s3, files)
