@@ -298,7 +298,8 @@ class Job:
             return
         now = time.monotonic()
         with self._cond:
-            stale = {rk: now - t for rk, t in self._last_report.items() if now - t > limit and rk not in att.outcomes}
+            ages = {rk: now - t for rk, t in self._last_report.items() if rk not in att.outcomes}
+        stale = {rk: age for rk, age in ages.items() if age > limit}
         if not stale:
             return
         rid = f"{self.run_id}-{att.index}"
@@ -307,15 +308,17 @@ class Job:
         except Exception as exc:  # noqa: BLE001
             per_worker = {"": {-1: f"(could not collect stacks: {exc!r})"}}
         stacks = {rk: text for got in per_worker.values() if isinstance(got, dict) for rk, text in got.items()}
-        # Ranks that wait inside a collective are usually waiting for the one that is not: blame that one
-        # (ranks in step report at about the same time, so the oldest report alone picks at random)
-        outside = [rk for rk in stale if rk in stacks and not _in_collective(stacks[rk])]
-        worst = max(outside or stale, key=stale.get)
+        # Ranks that wait inside a collective wait for one that is not: blame that one, stale yet or not
+        # (reports arrive up to a flush interval apart, so the waiting rank may cross the limit first)
+        live = [r.rank for r in att.plan.ranks if r.rank not in att.outcomes]
+        outside = [rk for rk in live if rk in stacks and not _in_collective(stacks[rk])]
+        worst = max(outside, key=lambda rk: ages.get(rk, float("inf"))) if outside else max(stale, key=stale.get)
         where = (" and is not inside a collective (the others wait inside one)"
-                 if outside and len(outside) < len(stale) else "")
+                 if outside and len(outside) < len(live) else "")
+        silent = f"sent no report for {ages[worst]:.0f} s" if worst in ages else "sent no report yet"
         dump = "\n".join(f"--- rank {rk} ---\n{stacks[rk]}" for rk in sorted(stacks))
         att.stalled = StallError(
-            f"job {self.run_id} stalled: rank {worst} sent no report for {stale[worst]:.0f} s{where} "
+            f"job {self.run_id} stalled: rank {worst} {silent}{where} "
             f"(stall_timeout={limit} s; the clock of a rank starts at its first report). "
             f"Stack dump of every rank:\n{dump}", stacks=stacks, rank=worst,
             worker=att.plan.ranks[worst].address)

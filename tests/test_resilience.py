@@ -132,6 +132,8 @@ def test_stall_dumps_every_rank_stack(client, inside_collective):
             dask_ddp.report(step=step, x=1.0)
             dist.all_reduce(torch.ones(1))
         if rank == 1 and not inside:
+            time.sleep(1.5)  # rank 1 reports last, so rank 0 (waiting in all_reduce) is the first past the limit
+            dask_ddp.report(step=3, x=1.0)
             while True:
                 time.sleep(1)  # rank 1 hangs outside a collective: rank 0 then waits inside one
         if rank == 1 and inside:
