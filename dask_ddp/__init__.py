@@ -7,7 +7,6 @@
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import dispatch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import ImageDecodeError, S3ImageFolder
 from .context import Context, all_reduce_mean, get_context, rank_zero_first, seed_everything
 from .errors import (
     ClientClosedError,
@@ -26,6 +25,20 @@ from .reporting import report
 from .sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
 
 __version__ = "0.1.0"
+
+# Imported on first use: torchvision (and so torch) takes seconds to import, and the first task of a job
+# imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile.
+_LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dask_ddp' has no attribute {name!r}")
 
 __all__ = [
     "dispatch", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state",

@@ -44,6 +44,7 @@ class LaunchSpec:
     spawn_timeout: float = 120
     poll_interval: float = 0.25
     stall_timeout: float | None = None
+    worker_timeout: float | None = 6
     max_restarts: int = 0
     restart_wait: float = 60
     checkpoint_dir: str | None = None
@@ -269,5 +270,6 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         poll_interval=cfg["poll-interval"], restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
         stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
                               minimum=0.1, allow_none=True),
+        worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
         echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), raise_in_task=raise_in_task, extra=extra or {})

@@ -26,6 +26,7 @@ import cloudpickle
 from . import plan as planning
 from .errors import DaskDDPError, JobCancelledError, RankFailedError, StallError, WorkerLostError
 from .events import Subscription, WorkerWatch
+from .liveness import SilenceWatch
 from .policy import decide
 from .progress import Progress
 from .supervisor import RankOutcome, dump_stacks, supervise, supervise_raising
@@ -41,7 +42,8 @@ class _Attempt:
     def __init__(self, index: int, plan: planning.RankPlan, futures: list, names: dict):
         self.index, self.plan, self.futures, self.names = index, plan, futures, names
         self.outcomes: dict[int, RankOutcome] = {}
-        self.lost: dict[str, float] = {}
+        self.lost: dict[str, float] = {}  # worker address -> time it was found gone
+        self.silent: dict[str, float] = {}  # worker address -> seconds without a heartbeat, for those found silent
         self.stalled: StallError | None = None
 
 
@@ -78,6 +80,7 @@ class Job:
         self._sub = Subscription(client, self.topic)
         self._watch = WorkerWatch.of(client)
         self._watch_token = self._watch.add(self._on_worker_removed)
+        self._silence = SilenceWatch(client, spec.worker_timeout)
         self._thread = threading.Thread(target=self._watch_loop, name=f"dask-ddp-job-{self.run_id}", daemon=True)
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -263,11 +266,13 @@ class Job:
 
     def _check_ranks(self) -> None:
         att = self.attempt
+        for address, quiet in self._silence.check(a for a in att.plan.addresses if a not in att.lost).items():
+            att.lost[address], att.silent[address] = time.time(), quiet
         for r, fut in zip(att.plan.ranks, att.futures):
             if r.rank in att.outcomes:
                 continue
             if r.address in att.lost:
-                att.outcomes[r.rank] = _lost_outcome(r, att.lost[r.address])
+                att.outcomes[r.rank] = _lost_outcome(r, att.lost[r.address], att.silent.get(r.address))
                 fut.cancel()  # pinned to a dead worker, it would wait forever
             elif fut.done():
                 att.outcomes[r.rank] = self._outcome_of(r, fut)
@@ -354,9 +359,7 @@ class Job:
         elif selection is None or isinstance(selection, int):
             selection = n  # the same world size, on the workers there are now
         try:
-            self.client.wait_for_workers(n, timeout=self.spec.restart_wait)
-            workers = planning.workers_from_scheduler_info(self.client.scheduler_info(n_workers=-1))
-            plan = planning.make_plan(workers, selection, self.spec.master_addr)
+            plan = planning.make_plan(self._workers_for_restart(n), selection, self.spec.master_addr)
         except Exception as exc:  # noqa: BLE001
             err = self._root_error(att, decision)
             err.add_note(f"[dask-ddp] no restart: {n} workers were not available within "
@@ -367,6 +370,16 @@ class Job:
             logger.warning("job %s: attempt %d runs on %d workers (attempt %d had %d)", self.run_id,
                            att.index + 2, plan.world_size, att.index + 1, att.plan.world_size)
         self._launch(att.index + 1, plan)
+
+    def _workers_for_restart(self, n: int) -> list[planning.WorkerInfo]:
+        """The cluster's workers but the silent ones, once there are ``n`` (or ``restart_wait`` has passed)."""
+        deadline = time.monotonic() + self.spec.restart_wait
+        while True:
+            workers = [w for w in planning.workers_from_scheduler_info(self.client.scheduler_info(n_workers=-1))
+                       if w.address not in self._silence.silent]
+            if len(workers) >= n or time.monotonic() > deadline:
+                return workers
+            time.sleep(0.25)
 
     def _await_events(self, att: _Attempt, wait: float = 5.0) -> None:
         """Make sure every batch a rank published has arrived before the job reports its end."""
@@ -480,8 +493,10 @@ def _rank_dict(r: planning.RankSpec) -> dict:
     return dict(r.__dict__)
 
 
-def _lost_outcome(r: planning.RankSpec, when: float) -> RankOutcome:
-    err = WorkerLostError(f"rank {r.rank}'s worker {r.address} (name {r.name!r}) left the cluster while the job "
-                          "ran (killed, out of memory, or its machine went away); see the worker's logs, or set "
-                          "max_restarts= to restart on the workers left", rank=r.rank, worker=r.address)
+def _lost_outcome(r: planning.RankSpec, when: float, silent: float | None = None) -> RankOutcome:
+    how = (f"sent the scheduler no heartbeat for {silent:.0f} s (ddp.worker-timeout): its machine or network "
+           "went away, or the process is frozen" if silent is not None else
+           "left the cluster while the job ran (killed, out of memory, or its machine went away)")
+    err = WorkerLostError(f"rank {r.rank}'s worker {r.address} (name {r.name!r}) {how}; see the worker's logs, or "
+                          "set max_restarts= to restart on the workers left", rank=r.rank, worker=r.address)
     return RankOutcome(r.rank, r.address, "lost", error=cloudpickle.dumps(err), message=str(err), time=when)

@@ -113,3 +113,14 @@ def test_policy_root_cause_and_decisions():
     assert (d.action, d.root.rank) == ("restart", 0) and "attempt 2/3" in d.reason
     assert decide([o(0, "died", 1)], cancelled=False, attempt=2, max_restarts=2).action == "fail"
     assert decide([o(0, "error", 1)], cancelled=True, attempt=0, max_restarts=5).action == "fail"
+
+
+def test_importing_the_package_does_not_import_torch():
+    """The first task of a job imports dask_ddp on the worker's event loop: torch there would stop its heartbeats
+    for seconds (and slow every notebook's import)."""
+    import subprocess
+    import sys
+
+    code = "import sys, dask_ddp, dask_ddp.supervisor, dask_ddp.job; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

@@ -88,6 +88,47 @@ def test_sigkill_of_a_dask_worker(client):
     assert run(client, lambda: 1).result(timeout=120) == [1, 1]
 
 
+def test_frozen_machine_is_found_by_its_missing_heartbeats():
+    """A machine that vanishes says nothing (no remove-worker for worker-ttl, 5 min): freezing a worker process and
+    its rank with SIGSTOP is the same as seen from the scheduler. The job must fail within 10 s, naming the rank."""
+    from _cluster import rank_process_pids
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            job = run(c, _report_then_spin)
+            deadline = time.time() + 120
+            while (job.metrics.empty or job.metrics["rank"].nunique() < 2) and time.time() < deadline:
+                time.sleep(0.1)
+            victim = job.plan.addresses[1]
+            worker_pid = c.run(os.getpid, workers=[victim])[victim]
+            [rank_pid] = rank_process_pids(c)[victim]["running"]
+            frozen = [worker_pid, rank_pid]
+            t0 = time.time()
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
+                    job.result(timeout=60)
+                took = time.time() - t0
+            finally:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGKILL)
+            print(f"frozen worker: job failed {took:.2f} s later")
+            assert took < 10, f"a frozen worker was found after {took:.1f} s"
+            assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
+            deadline = time.time() + 60  # the scheduler drops the killed worker, the Nanny starts a new one
+            while time.time() < deadline and (victim in (workers := c.scheduler_info(n_workers=-1)["workers"])
+                                              or len(workers) < 2):
+                time.sleep(0.2)
+            assert run(c, lambda: 1).result(timeout=120) == [1, 1]
+            assert leftover_processes(c) == []
+
+
+def _report_then_spin():
+    dask_ddp.report(at=time.time())
+    _spin_in_collectives()
+
+
 def test_closed_worker():
     """A worker closed gracefully (scale-down, drained node) does not come back: its own cluster."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:

@@ -1,0 +1,63 @@
+"""Workers that go silent: a machine that vanished says nothing for minutes.
+
+A killed or closed worker is reported at once by the scheduler (``remove-worker``),
+but a machine that loses power or network sends nothing: the scheduler drops
+such a worker only after ``distributed.scheduler.worker-ttl`` (5 minutes by
+default), and the other ranks wait inside their collective meanwhile. So a job
+reads its workers' ``last_seen`` (the scheduler's time of each worker's last
+heartbeat, every 0.5 s on small clusters) about once a second, and counts a
+worker whose value has not moved for ``ddp.worker-timeout`` seconds (at least
+four heartbeat intervals) as lost. Values are only compared with themselves,
+on the client's clock, so the two clocks need not agree; and nothing counts as
+silent while no worker's heartbeat moves (a stalled scheduler or client).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+__all__ = ["SilenceWatch"]
+
+
+def _heartbeat_interval(n_workers: int) -> float:
+    try:
+        from distributed.scheduler import heartbeat_interval
+    except ImportError:  # not public API: fall back to its current rule's slowest small-cluster value
+        return 1.0
+    return heartbeat_interval(n_workers)
+
+
+class SilenceWatch:
+    """Finds workers whose heartbeats to the scheduler stopped; ``timeout`` None or 0 turns it off."""
+
+    def __init__(self, client, timeout: float | None, every: float = 1.0):
+        self.client, self.timeout, self.every = client, timeout, every
+        self._changed: dict[str, tuple[float, float]] = {}  # address -> (last_seen, client time it changed)
+        self._checked = 0.0
+        self.silent: dict[str, float] = {}  # address -> seconds of silence when it was declared lost
+
+    def check(self, addresses: Iterable[str]) -> dict[str, float]:
+        """Newly silent workers among ``addresses``, with their seconds of silence (at most once per ``every``)."""
+        now = time.monotonic()
+        if not self.timeout or now - self._checked < self.every:
+            return {}
+        self._checked = now
+        try:
+            workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # noqa: BLE001 - the client may be closing; the next check tries again
+            return {}
+        for address, info in workers.items():
+            seen = info.get("last_seen")
+            if seen is not None and self._changed.get(address, (None,))[0] != seen:
+                self._changed[address] = (seen, now)
+        limit = max(self.timeout, 4 * _heartbeat_interval(len(workers)))
+        found = {}
+        for address in addresses:
+            if address in self.silent or address not in workers or address not in self._changed:
+                continue
+            quiet = now - self._changed[address][1]
+            others = [t for a, (_, t) in self._changed.items() if a != address and a in workers]
+            if quiet > limit and others and now - max(others) < limit / 2:  # the scheduler hears the others
+                self.silent[address] = found[address] = quiet
+        return found
