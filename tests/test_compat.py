@@ -1,10 +1,11 @@
 """dask-pytorch-ddp 0.2.2's API (``dispatch.run`` futures, ``DaskResultsHandler``) on a real LocalCluster.
 
 The first test is the README's example of dask-pytorch-ddp, changed only
-where a CPU-only machine without S3 needs it: ``from dask_ddp.compat import
-dispatch, results`` instead of ``from dask_pytorch_ddp import ...``, a tiny
-CNN for resnet18, random images for ``S3ImageFolder``, the CPU for
-``torch.device(0)`` and ``backend="gloo"``.
+where a CPU-only machine needs it: ``from dask_ddp.compat import dispatch,
+results`` and ``from dask_ddp.compat.data import S3ImageFolder`` instead of
+``dask_pytorch_ddp``'s, a tiny CNN for resnet18, small images (on the test's
+S3 server, which the workers find through ``AWS_ENDPOINT_URL_S3``), the CPU
+for ``torch.device(0)`` and ``backend="gloo"``.
 """
 
 from __future__ import annotations
@@ -16,38 +17,55 @@ import pickle
 import time
 import traceback
 
+import io
+
+import boto3
 import pytest
 import torch
 import torch.distributed as dist
 from dask.distributed import Client, LocalCluster, wait
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import SubsetRandomSampler, TensorDataset
+from torch.utils.data import SubsetRandomSampler
+from torchvision import transforms
 
 import dask_ddp
 from dask_ddp.compat import dispatch, results
+from dask_ddp.compat.data import S3ImageFolder
 from dask_ddp.compat.results import DaskResultsHandler
 
 from _cluster import leftover_processes
 
 
 @pytest.fixture(scope="module")
-def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+def client(s3_server):
+    env = {"AWS_ENDPOINT_URL_S3": s3_server}  # how boto3 and s3fs find a non-AWS endpoint without code changes
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", env=env) as cluster:
         with Client(cluster) as c:
             yield c
 
 
+@pytest.fixture(scope="module")
+def image_bucket(s3_server):
+    """64 small PNGs in 4 classes at s3://<bucket>/images/<class>/, as the README's bucket would hold them."""
+    from PIL import Image
+
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    bucket = "compat-images"
+    s3.create_bucket(Bucket=bucket)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(64):
+        buf = io.BytesIO()
+        Image.fromarray(torch.randint(0, 256, (20, 20, 3), generator=gen, dtype=torch.uint8).numpy()).save(buf, "PNG")
+        s3.put_object(Bucket=bucket, Key=f"images/class{i % 4}/img{i:02d}.png", Body=buf.getvalue())
+    return bucket
+
+
 # ---- the README example, on CPU --------------------------------------------------------------------------
 
-transform = None
+transform = transforms.Compose([transforms.Resize(18), transforms.CenterCrop(16), transforms.ToTensor()])
 key = "compat-test-key"
 rh = results.DaskResultsHandler(key)
-
-
-def S3ImageFolder(bucket, prefix, transform=None):  # noqa: N802 - stands in for the S3 dataset of the README
-    gen = torch.Generator().manual_seed(0)  # the same images on every rank, as a shared bucket would give
-    return TensorDataset(torch.randn(64, 3, 16, 16, generator=gen), torch.randint(0, 4, (64,), generator=gen))
 
 
 def tiny_cnn():  # stands in for models.resnet18(pretrained=False)
@@ -101,9 +119,9 @@ def run_transfer_learning(bucket, prefix, samplesize, n_epochs, batch_size, num_
                 rh.submit_result(f"checkpoint-{dt}.pkl", pickle.dumps(model.state_dict()))
 
 
-def test_readme_example_with_changed_imports(client, tmp_path):
+def test_readme_example_with_changed_imports(client, image_bucket, tmp_path):
     train_sampler = SubsetRandomSampler(list(range(48)))  # 48 samples, batches of 8: 6 per epoch
-    futures = dispatch.run(client, run_transfer_learning, bucket="bucket", prefix="images", samplesize=48,
+    futures = dispatch.run(client, run_transfer_learning, bucket=image_bucket, prefix="images", samplesize=48,
                            n_epochs=2, batch_size=8, num_workers=1, train_sampler=train_sampler, backend="gloo")
     assert len(futures) == 2
     rh.process_results(str(tmp_path), futures, raise_errors=False)

@@ -3,7 +3,9 @@
 Code written for dask-pytorch-ddp runs after changing one import::
 
     # from dask_pytorch_ddp import dispatch, results
+    # from dask_pytorch_ddp.data import S3ImageFolder
     from dask_ddp.compat import dispatch, results
+    from dask_ddp.compat.data import S3ImageFolder
 
     futures = dispatch.run(client, train, bucket=..., backend="nccl")
     rh = results.DaskResultsHandler(key)
@@ -17,6 +19,10 @@ Inside the function ``torch.distributed`` is initialised, and ``MASTER_ADDR``,
 ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` are set (with the rest of
 torchrun's variables). :class:`results.DaskResultsHandler` moves small
 results from the ranks to files under a local directory.
+
+``compat.data.S3ImageFolder(bucket, prefix, transform=...)`` is dask-ddp's
+:class:`dask_ddp.S3ImageFolder` with 0.2.2's signature (imported on first
+use: it needs torchvision).
 
 What is better: the rendezvous port is picked by the OS (0.2.2 used the
 fixed port 23456), a failed rank stops the others instead of leaving them
