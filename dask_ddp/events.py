@@ -91,12 +91,13 @@ class Relay:
 
 
 class Subscription:
-    """A job's view of its topic: every batch once, in arrival order, through a thread-safe queue.
+    """A job's view of its topic: every batch once, in order per rank, through a thread-safe queue.
 
     Subscribing goes over the client's batched stream to the scheduler, the same
     stream that later submits the ranks' tasks, so the scheduler has the
     subscription before any rank can publish. :meth:`backfill` fetches what was
-    published before (``get_events``); :meth:`accept` drops the duplicates.
+    published before (``get_events``); :meth:`take` drops the duplicates and
+    puts each rank's batches in the order the rank sent them.
     """
 
     def __init__(self, client, topic: str):
@@ -105,6 +106,8 @@ class Subscription:
         self._seen: set[tuple] = set()
         self._lock = threading.Lock()
         self.last_seq: dict[tuple[int, int], int] = {}
+        self._held: dict[tuple[int, int], dict[int, dict]] = {}  # (attempt, rank) -> seq -> batch, waiting
+        self._next: dict[tuple[int, int], int] = {}  # (attempt, rank) -> the seq to deliver next
         client.subscribe_topic(topic, self._on_event)
 
     def _on_event(self, event) -> None:  # runs on the client's event loop: enqueue only
@@ -115,16 +118,36 @@ class Subscription:
         for _, msg in self.client.get_events(self.topic):
             self.queue.put(msg)
 
-    def accept(self, msg: dict) -> bool:
-        """True the first time a batch is seen (de-duplicates backfill and live delivery)."""
-        key = (msg.get("attempt"), msg.get("rank"), msg.get("seq"))
+    def take(self, msg: dict) -> list[dict]:
+        """The batches ``msg`` makes ready, in ``seq`` order per rank and attempt.
+
+        A duplicate gives ``[]``; so does a batch whose predecessor has not
+        arrived yet (a backfill may bring it later): it is held back until
+        then, or until :meth:`flush`.
+        """
+        rk, seq = (msg.get("attempt"), msg.get("rank")), msg.get("seq")
         with self._lock:
-            if key in self._seen:
-                return False
-            self._seen.add(key)
-            rk = (msg.get("attempt"), msg.get("rank"))
-            self.last_seq[rk] = max(self.last_seq.get(rk, -1), msg.get("seq", -1))
-        return True
+            if (*rk, seq) in self._seen:
+                return []
+            self._seen.add((*rk, seq))
+            self.last_seq[rk] = max(self.last_seq.get(rk, -1), -1 if seq is None else seq)
+            if seq is None:
+                return [msg]
+            held = self._held.setdefault(rk, {})
+            held[seq] = msg
+            ready, nxt = [], self._next.get(rk, 0)
+            while nxt in held:
+                ready.append(held.pop(nxt))
+                nxt += 1
+            self._next[rk] = nxt
+            return ready
+
+    def flush(self) -> list[dict]:
+        """Every held-back batch (its predecessor never came), in ``seq`` order: late is better than lost."""
+        with self._lock:
+            out = [held[s] for held in self._held.values() for s in sorted(held)]
+            self._held.clear()
+            return out
 
     def have_all(self, attempt: int, rank: int, last_seq: int) -> bool:
         with self._lock:

@@ -161,7 +161,10 @@ class Job:
 
     @property
     def logs(self) -> list[str]:
-        """Every output line and log record of the ranks so far, as ``[rank N] line``."""
+        """Every output line and log record of the ranks so far, as ``[rank N] line``.
+
+        Lines of a later attempt read ``[rank N, attempt K] line`` (K from 1, as in :attr:`history`).
+        """
         with self._cond:
             return [_format_log(e) for e in self._events if e["kind"] == "log"]
 
@@ -243,13 +246,16 @@ class Job:
         except queue.Empty:
             return
         while True:
-            if self._sub.accept(msg):
-                for item in msg.get("items", []):
-                    self._on_item(item)
+            self._deliver(self._sub.take(msg))
             try:
                 msg = self._sub.queue.get_nowait()
             except queue.Empty:
                 return
+
+    def _deliver(self, batches: list[dict]) -> None:
+        for batch in batches:
+            for item in batch.get("items", []):
+                self._on_item(item)
 
     def _on_item(self, item: dict) -> None:
         with self._cond:
@@ -393,6 +399,7 @@ class Job:
                 self._sub.backfill()
                 backfilled = True
             self._drain(0.05)
+        self._deliver(self._sub.flush())  # batches whose predecessor never came: late rather than lost
 
     def _root_error(self, att: _Attempt, decision) -> BaseException:
         root = decision.root
@@ -486,7 +493,10 @@ def _in_collective(stack: str) -> bool:
 
 
 def _format_log(item: dict) -> str:
-    return f"[rank {item['rank']}] {item['line']}"
+    """``[rank N] line``; after a restart ``[rank N, attempt K] line`` (K counts from 1, as in ``job.history``)."""
+    attempt = item.get("attempt", 0)
+    where = f"rank {item['rank']}, attempt {attempt + 1}" if attempt else f"rank {item['rank']}"
+    return f"[{where}] {item['line']}"
 
 
 def _rank_dict(r: planning.RankSpec) -> dict:

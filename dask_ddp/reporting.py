@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -45,6 +46,7 @@ class EventBuffer:
 
     def __init__(self, rank: int, attempt: int):
         self.rank, self.attempt = rank, attempt
+        self.pid = os.getpid()  # a forked DataLoader worker inherits the buffer, but no flusher thread
         self._items: list[dict] = []
         self._lock = threading.Lock()
         self._step = -1
@@ -83,10 +85,12 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
         When a key is one of the reserved names (``rank``, ``step``, ``time``, ...).
     """
     buf = _BUFFER
-    if buf is None:
-        get_context()  # raises NotInRankError with the standard message
-        raise NotInRankError("report() has no channel to the client in this process (a DataLoader worker?): "
-                             "call it from the rank's main process")
+    if buf is None or buf.pid != os.getpid():  # never set, or inherited by a forked DataLoader worker
+        where = ("outside a dask-ddp rank: call it inside the function you pass to dask_ddp.dispatch.run(client, "
+                 "fn, ...)" if buf is None and not _in_rank() else
+                 "in a process with no channel to the client (a DataLoader worker?): call it from the rank's main "
+                 "process, e.g. once per batch in the training loop")
+        raise NotInRankError(f"report() was called {where}")
     items = dict(metrics or {}, **values)
     event: dict[str, Any] = {}
     for key, value in items.items():
@@ -100,6 +104,14 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
         raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
     event.update(kind="metric", rank=buf.rank, attempt=buf.attempt, step=buf.next_step(step), time=time.time())
     buf.add(event)
+
+
+def _in_rank() -> bool:
+    try:
+        get_context()
+    except NotInRankError:
+        return False
+    return True
 
 
 class _LogHandler(logging.Handler):

@@ -267,7 +267,7 @@ def test_max_restarts(cluster, tmp_path):
     """)
     out = run_cli("run", "--scheduler", address, "--workers", "2", "--max-restarts", "1", script)
     assert out.returncode == 0, out.stderr
-    assert "[rank 0] attempt 1 ok" in out.stdout and "[rank 1] attempt 1 ok" in out.stdout
+    assert "[rank 0, attempt 2] attempt 1 ok" in out.stdout and "[rank 1, attempt 2] attempt 1 ok" in out.stdout
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------------

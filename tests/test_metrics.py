@@ -24,6 +24,7 @@ import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from dask.distributed import Client, LocalCluster  # noqa: E402
 
 import dask_ddp  # noqa: E402
@@ -149,6 +150,8 @@ def test_every_report_arrives_in_order(busy):
         assert (np.diff(steps) > 0).all(), f"rank {rank}'s steps arrived out of order"
         assert steps.tolist() == list(range(N_REPORTS))
     assert m["late"].isna().sum() == N_REPORTS  # the first half of each rank had no 'late'
+    batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}  # events each rank put on the wire
+    assert all(1 <= b <= N_REPORTS // 10 for b in batches.values()), f"one event per batch, not per call: {batches}"
 
 
 def test_logs_carry_rank_prefixes_from_print_stderr_and_logging(busy):
@@ -254,8 +257,34 @@ def test_bad_reports_name_the_key_and_a_live_stream_and_tensorboard(client, tmp_
 
 
 def test_report_outside_a_rank():
-    with pytest.raises(dask_ddp.NotInRankError, match="outside a dask-ddp rank"):
+    with pytest.raises(dask_ddp.NotInRankError, match=r"report\(\) was called outside a dask-ddp rank"):
         dask_ddp.report(loss=1.0)
+
+
+class _ReportingDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        try:
+            dask_ddp.report(x=1.0)
+        except dask_ddp.NotInRankError as exc:
+            return str(exc)
+        return "reported"
+
+
+def report_from_a_forked_dataloader_worker():
+    import multiprocessing
+
+    loader = torch.utils.data.DataLoader(_ReportingDataset(), num_workers=1, batch_size=None,
+                                         multiprocessing_context=multiprocessing.get_context("fork"))
+    return next(iter(loader))
+
+
+def test_report_in_a_forked_dataloader_worker_says_where_to_report(client):
+    """A forked worker inherits the rank's buffer but not its flusher: its reports would be lost without a word."""
+    out = dispatch.run(client, report_from_a_forked_dataloader_worker, progress=False).result(timeout=120)
+    assert all("no channel to the client" in o and "DataLoader worker" in o for o in out), out
 
 
 # ---- events: late subscription ------------------------------------------------------------------------------
@@ -272,8 +301,7 @@ def _drain(sub, want, timeout=10.0):
             msg = sub.queue.get(timeout=0.1)
         except Exception:  # noqa: BLE001 - queue.Empty
             continue
-        if sub.accept(msg):
-            got.append(msg["seq"])
+        got.extend(m["seq"] for m in sub.take(msg))
     return got
 
 
@@ -303,6 +331,23 @@ def test_subscription_backfills_what_was_logged_before_it(client):
         sub.backfill()  # a second backfill brings duplicates only: all dropped
         assert _drain(sub, 1, timeout=1.0) == []
         assert sub.have_all(0, 0, 2) and sub.last_seq[(0, 0)] == 2
+    finally:
+        sub.close()
+
+
+def test_batches_are_delivered_in_the_order_each_rank_sent_them(client):
+    """A batch that a backfill brings late goes before its successors that came live, not after them."""
+    sub = Subscription(client, f"dask-ddp-test-{uuid.uuid4().hex[:8]}")
+    try:
+        seqs = lambda batches: [b["seq"] for b in batches]  # noqa: E731
+        assert seqs(sub.take(_batch(1))) == []         # held back: 0 has not come
+        assert seqs(sub.take(_batch(0))) == [0, 1]     # 0 arrives (e.g. by backfill): both, in order
+        assert seqs(sub.take(_batch(1))) == []         # a duplicate
+        other_rank = dict(_batch(0), rank=1)
+        assert sub.take(other_rank) == [other_rank]    # each rank has its own order
+        assert seqs(sub.take(_batch(3))) == []         # 2 never comes ...
+        assert seqs(sub.flush()) == [3]                # ... so 3 is delivered late rather than lost
+        assert sub.last_seq[(0, 0)] == 3 and not sub.have_all(0, 0, 3)
     finally:
         sub.close()
 

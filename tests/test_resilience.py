@@ -191,8 +191,10 @@ def test_stall_dumps_every_rank_stack(client, inside_collective):
     assert set(err.stacks) == {0, 1}
     assert "hang" in err.stacks[0] and "hang" in err.stacks[1]
     assert ("barrier" if inside_collective else "sleep") in err.stacks[1]
+    headline = str(err).split("Stack dump")[0]  # the dump below names every rank
     if inside_collective:  # both wait inside a collective: either may be named
-        assert "rank 1" in str(err) or "rank 0" in str(err)
+        assert ("rank 0 sent no report" in headline) != ("rank 1 sent no report" in headline), headline
+        assert err.rank in (0, 1) and f"rank {err.rank} sent no report" in headline
     else:  # rank 0 waits in all_reduce for rank 1: rank 1 is the one to blame, every time
         assert "rank 1 sent no report" in str(err) and "is not inside a collective" in str(err), str(err)[:300]
         assert err.rank == 1
@@ -234,6 +236,7 @@ def test_restart_after_a_killed_rank(client):
     def flaky():
         ctx = dask_ddp.get_context()
         dask_ddp.report(step=0, attempt_seen=float(ctx.restart_count))
+        print(f"started with restart_count {ctx.restart_count}", flush=True)
         if ctx.restart_count == 0 and ctx.rank == 1:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -249,6 +252,8 @@ def test_restart_after_a_killed_rank(client):
     assert states == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
     assert "rank 1" in job.history[1][3] and "attempt 2/3" in job.history[1][3]
     assert sorted(job.metrics["attempt"].unique()) == [0, 1]
+    assert "[rank 0] started with restart_count 0" in job.logs  # the first attempt's lines are unmarked
+    assert "[rank 0, attempt 2] started with restart_count 1" in job.logs
 
 
 def deterministic_training(epochs, kill_at=None):
