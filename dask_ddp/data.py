@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import fsspec
 from fsspec.asyn import sync
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image, UnidentifiedImageError
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
@@ -166,7 +167,8 @@ def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
     fs = _open_fs(url, storage_options or {})
     fs_root = fs._strip_protocol(url).rstrip("/") or "/"
     try:
-        found = fs.find(fs_root, withdirs=True, detail=True)
+        found = (_walk_local(fs_root) if isinstance(fs, LocalFileSystem) else
+                 fs.find(fs_root, withdirs=True, detail=True))
     except Exception as err:
         builtin = _as_builtin(err, url, "listing it")
         if builtin is None:
@@ -191,6 +193,25 @@ def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
         raise FileNotFoundError(f"{url} does not exist (no such bucket, prefix or folder)")
     files.sort(key=lambda f: tuple(f[0].rpartition("/")[::2]))  # os.walk order: directory, then name
     return FolderIndex(url, tuple(files), tuple(sorted(dirs)))
+
+
+def _walk_local(root: str) -> dict[str, dict]:
+    """``fs.find(root, withdirs=True, detail=True)`` for a local folder, following symlinked folders as
+    torchvision's ``os.walk(followlinks=True)`` does (fsspec's find does not descend into them)."""
+    if not os.path.isdir(root):
+        return {root: {"type": "file", "size": os.path.getsize(root)}} if os.path.exists(root) else {}
+    found = {root: {"type": "directory"}}
+    for top, dirs, files in os.walk(root, followlinks=True):
+        for d in dirs:
+            found[f"{top.rstrip('/')}/{d}"] = {"type": "directory"}
+        for f in files:
+            path = f"{top.rstrip('/')}/{f}"
+            try:
+                size = os.path.getsize(path)
+            except OSError:  # a broken link: listed, as by ImageFolder, and fails when loaded
+                size = 0
+            found[path] = {"type": "file", "size": size}
+    return found
 
 
 async def _gather_cat(fs, paths: Sequence[str], kwargs: dict) -> list:

@@ -202,6 +202,19 @@ def test_plain_local_path_gives_imagefolders_exact_samples(local_tree):
     assert S3ImageFolder(local_tree + "/").samples == ImageFolder(local_tree).samples
 
 
+def test_symlinked_class_folders_are_followed_on_local_disk(local_tree, tmp_path):
+    import shutil
+
+    root = tmp_path / "with-links"
+    shutil.copytree(local_tree, root)
+    os.symlink(os.path.join(local_tree, "dog"), root / "zebra")  # a class that is a link, as os.walk follows
+    os.symlink(os.path.join(local_tree, "cat"), root / "bird" / "more")  # a linked folder inside a class
+    ours, tv = S3ImageFolder(str(root), transform=ToTensor()), ImageFolder(str(root), transform=ToTensor())
+    assert ours.classes == tv.classes == ["bird", "cat", "dog", "zebra"]
+    assert ours.samples == tv.samples and ours.targets == tv.targets
+    _same_items(_items(ours), _items(tv))
+
+
 def test_is_valid_file_gets_the_url_and_replaces_extensions(s3, local_tree):
     url = _put_s3(s3, TREE)
     seen = []
