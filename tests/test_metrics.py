@@ -171,6 +171,23 @@ def test_progress_bar_is_drawn_when_asked(busy):
     assert f"{N_REPORTS}" in busy["stderr"]  # the bar reached the last step
 
 
+def few_steps(n):
+    for i in range(n):
+        dask_ddp.report(loss=0.5 ** i, epoch=0)
+        time.sleep(0.05)
+
+
+def test_wait_draws_a_bar_to_total_with_the_latest_metrics(client):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        job = dispatch.run(client, few_steps, 6, total=6, progress=True)
+        assert job.wait(timeout=120)
+    text = err.getvalue()
+    assert "6/6" in text, "the bar runs to total="
+    assert "loss=0.03125" in text, "rank 0's latest metrics are in the postfix"  # 0.5 ** 5
+    assert f"{job.run_id} FINISHED" in text
+
+
 def test_sinks_read_back(busy):
     m = busy["job"].metrics
     local = busy["tmp"] / "deep" / "dir" / "metrics.jsonl"
