@@ -256,6 +256,9 @@ class Job:
         for batch in batches:
             for item in batch.get("items", []):
                 self._on_item(item)
+        if batches:  # wake wait()/stream() once a batch, not once an item: they redraw and re-read on each wake
+            with self._cond:
+                self._cond.notify_all()
 
     def _on_item(self, item: dict) -> None:
         with self._cond:
@@ -263,7 +266,6 @@ class Job:
             if item.get("kind") == "metric":
                 self._metric_rows.append(item)
                 self._last_report[item["rank"]] = time.monotonic()
-            self._cond.notify_all()
         if item.get("kind") == "log" and self.spec.echo_logs:
             Progress.write(_format_log(item), item.get("stream") == "stderr")
         kind = item.get("kind")
