@@ -24,6 +24,7 @@ whatever ``CUDA_VISIBLE_DEVICES`` says:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -111,7 +112,7 @@ def place(store, rank: int, world_size: int, worker: str, requested: str):
     visible = visible_gpus()
     if requested == "nccl" and not visible:  # fail at once, before waiting on the others
         raise PlanError(f"backend='nccl' needs a GPU, but rank {rank} on worker {worker} sees none "
-                        f"(CUDA_VISIBLE_DEVICES={_cvd()!r}); use backend='gloo' or 'auto', "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use backend='gloo' or 'auto', "
                         "or run on GPU workers (dask-cuda)", rank=rank, worker=worker)
     store.set(f"dask_ddp/gpus/{rank}", "\n".join((worker, *visible)))
     seen = [store.get(f"dask_ddp/gpus/{r}").decode().split("\n") for r in range(world_size)]
@@ -142,9 +143,3 @@ def _describe(placements: Sequence[Placement]) -> str:
         if p.shared_with:
             groups.setdefault(p.uuid, []).append(r)
     return "; ".join(f"ranks {', '.join(map(str, rs))} on {u}" for u, rs in groups.items())
-
-
-def _cvd():
-    import os
-
-    return os.environ.get("CUDA_VISIBLE_DEVICES")

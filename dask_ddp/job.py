@@ -43,7 +43,6 @@ class _Attempt:
         self.index, self.plan, self.futures, self.names = index, plan, futures, names
         self.outcomes: dict[int, RankOutcome] = {}
         self.lost: dict[str, float] = {}  # worker address -> time it was found gone
-        self.silent: dict[str, float] = {}  # worker address -> seconds without a heartbeat, for those found silent
         self.stalled: StallError | None = None
 
 
@@ -274,13 +273,13 @@ class Job:
 
     def _check_ranks(self) -> None:
         att = self.attempt
-        for address, quiet in self._silence.check(a for a in att.plan.addresses if a not in att.lost).items():
-            att.lost[address], att.silent[address] = time.time(), quiet
+        for address in self._silence.check(a for a in att.plan.addresses if a not in att.lost):
+            att.lost[address] = time.time()
         for r, fut in zip(att.plan.ranks, att.futures):
             if r.rank in att.outcomes:
                 continue
             if r.address in att.lost:
-                att.outcomes[r.rank] = _lost_outcome(r, att.lost[r.address], att.silent.get(r.address))
+                att.outcomes[r.rank] = _lost_outcome(r, att.lost[r.address], self._silence.silent.get(r.address))
                 fut.cancel()  # pinned to a dead worker, it would wait forever
             elif fut.done():
                 att.outcomes[r.rank] = self._outcome_of(r, fut)

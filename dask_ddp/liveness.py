@@ -52,12 +52,14 @@ class SilenceWatch:
             if seen is not None and self._changed.get(address, (None,))[0] != seen:
                 self._changed[address] = (seen, now)
         limit = max(self.timeout, 4 * _heartbeat_interval(len(workers)))
+        # the scheduler still hears some worker (a silent one is never among them): else nobody counts as silent
+        if not any(now - t < limit / 2 for a, (_, t) in self._changed.items() if a in workers):
+            return {}
         found = {}
         for address in addresses:
             if address in self.silent or address not in workers or address not in self._changed:
                 continue
             quiet = now - self._changed[address][1]
-            others = [t for a, (_, t) in self._changed.items() if a != address and a in workers]
-            if quiet > limit and others and now - max(others) < limit / 2:  # the scheduler hears the others
+            if quiet > limit:
                 self.silent[address] = found[address] = quiet
         return found

@@ -25,6 +25,7 @@ __all__ = ["report", "RESERVED_KEYS"]
 RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
 
 _BUFFER: "EventBuffer | None" = None  # set by the rank process
+_FORKED = False  # True in a process forked from a rank (a DataLoader worker): it has no flusher, so no _BUFFER
 
 
 def _plain(key: str, value: Any) -> float | int | bool:
@@ -46,7 +47,6 @@ class EventBuffer:
 
     def __init__(self, rank: int, attempt: int):
         self.rank, self.attempt = rank, attempt
-        self.pid = os.getpid()  # a forked DataLoader worker inherits the buffer, but no flusher thread
         self._items: list[dict] = []
         self._lock = threading.Lock()
         self._step = -1
@@ -85,11 +85,11 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
         When a key is one of the reserved names (``rank``, ``step``, ``time``, ...).
     """
     buf = _BUFFER
-    if buf is None or buf.pid != os.getpid():  # never set, or inherited by a forked DataLoader worker
-        where = ("outside a dask-ddp rank: call it inside the function you pass to dask_ddp.dispatch.run(client, "
-                 "fn, ...)" if buf is None and not _in_rank() else
-                 "in a process with no channel to the client (a DataLoader worker?): call it from the rank's main "
-                 "process, e.g. once per batch in the training loop")
+    if buf is None:
+        where = ("in a process with no channel to the client (a DataLoader worker?): call it from the rank's main "
+                 "process, e.g. once per batch in the training loop" if _FORKED or _in_rank() else
+                 "outside a dask-ddp rank: call it inside the function you pass to dask_ddp.dispatch.run(client, "
+                 "fn, ...)")
         raise NotInRankError(f"report() was called {where}")
     items = dict(metrics or {}, **values)
     event: dict[str, Any] = {}
@@ -104,6 +104,12 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
         raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
     event.update(kind="metric", rank=buf.rank, attempt=buf.attempt, step=buf.next_step(step), time=time.time())
     buf.add(event)
+
+
+def _forget_buffer() -> None:
+    """In a forked child (a DataLoader worker) the inherited buffer would fill up unsent: drop it."""
+    global _BUFFER, _FORKED
+    _BUFFER, _FORKED = None, True
 
 
 def _in_rank() -> bool:
@@ -156,6 +162,7 @@ def install(buf: EventBuffer, send: Callable[[list], None], interval: float) -> 
     """Make ``buf`` this process's report buffer, forward logging records into it, start the flusher."""
     global _BUFFER
     _BUFFER = buf
+    os.register_at_fork(after_in_child=_forget_buffer)  # once per rank process: it runs one job
     root = logging.getLogger()
     root.addHandler(_LogHandler(buf))
     if root.level > logging.INFO or root.level == logging.NOTSET:
