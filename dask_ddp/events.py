@@ -1,8 +1,12 @@
 """Events between ranks and the notebook, over Dask's ``log_event`` / ``subscribe_topic``.
 
-Worker side, :class:`Relay` batches a rank's reports and output lines and
-publishes one event per batch (``{"run", "rank", "attempt", "seq", "items"}``)
-on the job's topic, at most ``ddp.events.max-batch-bytes`` each. Client
+Worker side, :class:`Relay` publishes one event per batch
+(``{"run", "rank", "attempt", "seq", "items"}``) on the job's topic, at most
+``ddp.events.max-batch-bytes`` each: a batch of reports from the rank at once
+(the rank sends one at most every ``ddp.events.flush-interval``), with any
+output lines gathered meanwhile; output lines alone at the same pace. Each batch
+costs about 2 ms of CPU across the rank, worker, scheduler and client, whatever
+its size, so batches are few (``benchmarks/RESULTS_report.md``). Client
 side, :class:`Subscription` subscribes before the ranks start, backfills once
 with ``get_events`` (subscribing does not replay the past) and drops batches
 it has already seen, keyed by (attempt, rank, seq). Handlers of
@@ -22,6 +26,8 @@ from typing import Callable
 
 import dask
 
+from .reporting import TICK
+
 __all__ = ["Relay", "Subscription", "WorkerWatch"]
 
 MAX_LINE = 10_000  # characters of one output line kept; longer lines are cut with a marker
@@ -34,7 +40,7 @@ def _size(item: dict) -> int:
 class Relay:
     """Collects one rank's events on the worker and publishes them in batches (thread-safe)."""
 
-    def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str):
+    def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None):
         self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
         self.seq = -1
         self._items: list[dict] = []
@@ -42,8 +48,9 @@ class Relay:
         self._publish_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.interval = dask.config.get("ddp.events.flush-interval")
+        self.interval = dask.config.get("ddp.events.flush-interval") if interval is None else interval
         self.max_bytes = dask.config.get("ddp.events.max-batch-bytes")
+        self._published = float("-inf")
 
     def log(self, stream: str, line: str) -> None:
         if len(line) > MAX_LINE:
@@ -51,17 +58,23 @@ class Relay:
         self.extend([{"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
                       "stream": stream, "line": line}])
 
-    def extend(self, items: list[dict]) -> None:
+    def extend(self, items: list[dict], now: bool = False) -> None:
+        """Queue ``items``; ``now``: publish them (and the lines queued before) at once, as one batch."""
         with self._lock:
             self._items.extend(items)
+        if now:
+            self.flush()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dask-ddp-relay", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.flush()
+        # Output lines go within a tick after a quiet spell, else with the next rank batch or an interval after
+        # the last batch: a rank printing every step adds no more than one batch per interval
+        while not self._stop.wait(min(TICK, self.interval)):
+            if self._items and time.monotonic() - self._published >= self.interval:
+                self.flush()
 
     def flush(self) -> None:
         with self._publish_lock:  # one publisher at a time keeps seq in order
@@ -79,6 +92,7 @@ class Relay:
                 self._publish(batch)
 
     def _publish(self, batch: list[dict]) -> None:
+        self._published = time.monotonic()
         self.seq += 1
         self.worker.log_event(self.topic, {"run": self.run_id, "rank": self.rank, "attempt": self.attempt,
                                            "seq": self.seq, "items": batch})

@@ -190,7 +190,8 @@ class Supervisor:
         self.worker = get_worker()
         self.address = self.worker.address
         self.abort = Event(task["abort_event"])
-        self.relay = Relay(self.worker, task["topic"], self.rank, task["attempt"], task["run_id"])
+        self.relay = Relay(self.worker, task["topic"], self.rank, task["attempt"], task["run_id"],
+                           task["payload"].get("flush_interval"))
         self.child: RankProcess | None = None
         self.outcome: RankOutcome | None = None
         self._stacks: deque = deque(maxlen=1)
@@ -306,8 +307,8 @@ class Supervisor:
 
     def _handle(self, msg) -> None:
         kind = msg[0]
-        if kind == "events":
-            self.relay.extend(msg[1])
+        if kind == "events":  # a batch the rank gathered for a flush interval: on its way at once
+            self.relay.extend(msg[1], now=True)
         elif kind == "port":
             from distributed import Event, Variable
             Variable(self.task["port_variable"]).set(int(msg[1]))

@@ -16,6 +16,7 @@ import time
 import traceback
 import uuid
 
+import dask
 import matplotlib
 
 matplotlib.use("Agg")
@@ -85,8 +86,9 @@ def bad_reports_then_some():
             call()
         except Exception as exc:  # noqa: BLE001 - collected for the client to check
             errors[name] = (type(exc).__name__, str(exc))
+    numpy_float = np.float32 if ctx.rank == 0 else np.float64  # float64 is a float subclass msgpack's check refuses
     for step in range(5):
-        dask_ddp.report(loss=torch.tensor(1.0 / (step + 1)), acc=np.float32(step / 10 + ctx.rank), step=step)
+        dask_ddp.report(loss=torch.tensor(1.0 / (step + 1)), acc=numpy_float(step / 10 + ctx.rank), step=step)
         time.sleep(0.05)
     return errors
 
@@ -271,6 +273,40 @@ def test_bad_reports_name_the_key_and_a_live_stream_and_tensorboard(client, tmp_
     assert [s.step for s in loss1] == list(range(5))
     assert np.allclose([s.value for s in loss1], [1.0 / (s + 1) for s in range(5)])
     assert np.allclose([s.value for s in acc.Scalars("acc/rank1")], [1 + s / 10 for s in range(5)])
+
+
+def steady_then_lone(seconds, quiet):
+    """Reports every 5 ms for ``seconds``, falls quiet for ``quiet`` s, reports once more, then idles a second."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        dask_ddp.report(loss=0.1)
+        time.sleep(0.005)
+    time.sleep(quiet)
+    dask_ddp.report(lone=1.0)
+    time.sleep(1.0)
+
+
+def test_reports_go_in_few_batches_and_a_lone_report_at_once(client):
+    """Each batch costs the worker, scheduler and client ~2 ms whatever its size: a rank reporting all the time sends
+    one batch per ddp.events.flush-interval, and a report after a quiet spell goes at the next 0.1 s tick, not an
+    interval later. A long interval (3 s) tells the two apart."""
+    arrivals = {}
+
+    def on_metrics(event):
+        if "lone" in event:
+            arrivals[event["rank"]] = time.time() - event["time"]
+
+    seconds, interval = 2.5, 3.0
+    with dask.config.set({"ddp.events.flush-interval": interval}):
+        job = dispatch.run(client, steady_then_lone, seconds, interval + 1, progress=False, callbacks=[on_metrics])
+    job.result(timeout=120)
+    batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}
+    reports = job.metrics.groupby("rank").size().to_dict()
+    print(f"batches on the wire per rank: {batches} for {reports} reports; lone report's delay: {arrivals}")
+    # the steady part: one batch at once, then one an interval later; the lone report; the final flush; 1 spare
+    assert all(b <= 1 + 1 + 1 + 1 + 1 for b in batches.values()), batches
+    assert all(n > 200 for n in reports.values()), reports
+    assert sorted(arrivals) == [0, 1] and all(d < 0.5 for d in arrivals.values()), arrivals
 
 
 def test_report_outside_a_rank():
