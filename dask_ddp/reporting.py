@@ -3,7 +3,7 @@
 Inside a rank, :func:`report` validates and converts the values, stamps them
 with rank, attempt, step and time, and appends them to an in-memory buffer.
 A background thread of the rank process ships the buffer to its Dask task
-(the supervisor), at most once per ``ddp.events.flush-interval`` (0.5 s); the
+(the supervisor), at most once per ``ddp.events.flush-interval`` (1 s); the
 supervisor publishes each batch at once, as one Dask event. The training
 thread never waits on the network.
 """
@@ -96,7 +96,7 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     a per-rank counter of calls (0, 1, 2, ...). The call only appends to a
     buffer (a few microseconds); a background thread ships it within 0.1 s,
     or, while the rank reports often, as one batch every
-    ``ddp.events.flush-interval`` (0.5 s). Every report reaches
+    ``ddp.events.flush-interval`` (1 s). Every report reaches
     ``job.metrics``, in order.
 
     Raises
