@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import dask_ddp
+from bench_report_cpu import Sampler
 
 # ---- run on the ranks ------------------------------------------------------------------------------------------
 
@@ -97,10 +98,12 @@ def step_overhead(blocks, steps):
     x, y = torch.randn(32, 1, 28, 28, generator=gen), torch.randint(0, 10, (32,), generator=gen)
 
     inside = []  # seconds spent inside report() calls, per reporting block
+    marks = []  # (reporting, wall start, wall end) of every block, for the client's CPU accounting
+    cpu = {True: [], False: []}  # the training thread's own CPU seconds per step, per block
 
     def block(n, reporting):
         spent = 0.0
-        t0 = time.perf_counter()
+        start, c0, t0 = time.time(), time.thread_time(), time.perf_counter()
         for _ in range(n):
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
@@ -111,18 +114,24 @@ def step_overhead(blocks, steps):
                 dask_ddp.report(loss=loss)
                 spent += time.perf_counter() - t1
         took = time.perf_counter() - t0
+        cpu[reporting].append((time.thread_time() - c0) / n)
+        marks.append((reporting, start, time.time()))
         if reporting:
             inside.append(spent / took)
         return took / n
 
     block(30, False)  # warm-up
+    marks.clear()
+    cpu[False].clear()
     on, off = [], []
     for b in range(blocks):
         for reporting in ((True, False) if b % 2 else (False, True)):
             (on if reporting else off).append(block(steps, reporting))
     pairs = [a / b - 1 for a, b in zip(on, off)]
-    return {"on": statistics.median(on), "off": statistics.median(off), "pairs": pairs,
-            "inside": statistics.median(inside)}
+    # the training thread's extra CPU per step, as a share of the step's wall time without reports
+    cpu_pairs = [(a - b) / w for a, b, w in zip(cpu[True], cpu[False], off)]
+    return {"on": statistics.median(on), "off": statistics.median(off), "pairs": pairs, "cpu_pairs": cpu_pairs,
+            "inside": statistics.median(inside), "marks": marks, "pid": os.getpid()}
 
 
 def burst(n):
@@ -184,6 +193,11 @@ def run_job(client, fn, *args, callbacks=(), warm=True):
     return job, job.result(timeout=600)
 
 
+def _mean_ci(xs):
+    """Mean and the half-width of its 95 % confidence interval (normal approximation)."""
+    return statistics.mean(xs), 1.96 * statistics.stdev(xs) / len(xs) ** 0.5
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -209,7 +223,11 @@ def main(argv=None) -> int:
         flush = dask.config.get("ddp.events.flush-interval")
 
         _, costs = run_job(client, report_cost, args.calls)
+        sampler = Sampler()
+        sampler.start()
         _, over = run_job(client, step_overhead, args.blocks, args.steps)
+        sampler.finish()
+        training = {(o["pid"], o["pid"]) for o in over}  # the ranks' main threads: measured by the ranks
         arrivals = Arrivals()
         job, firsts = run_job(client, burst, args.burst, callbacks=[arrivals])
         n_burst = len(job.metrics)
@@ -226,13 +244,36 @@ def main(argv=None) -> int:
                      f"{c['timer']['median']:.2f}, p99 {c['timer']['p99']:.2f}"))
     for rank, o in enumerate(over):
         pairs = sorted(o["pairs"])
-        mean, half = statistics.mean(pairs), 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5
+        mean, half = _mean_ci(pairs)
         rows.append((f"CNN step, rank {rank}: without report -> with report every step (ms)",
                      f"{o['off'] * 1000:.2f} -> {o['on'] * 1000:.2f}", "",
                      f"overhead (goal < 1 %): median of {len(pairs)} paired blocks {statistics.median(pairs) * 100:+.2f} %"
                      f" (middle half {pct(pairs, 0.25) * 100:+.1f} to {pct(pairs, 0.75) * 100:+.1f} %), mean "
                      f"{mean * 100:+.2f} % (95 % CI {(mean - half) * 100:+.2f} to {(mean + half) * 100:+.2f} %); time "
                      f"inside report() {o['inside'] * 100:.3f} % of the loop"))
+    # Off the training thread: every other thread of the cluster, reporting blocks against their partners
+    marks = over[0]["marks"]  # both ranks run the same blocks at the same time (DDP keeps them in step)
+    background = [sum(sampler.cpu(t0, t1, exclude=training).values()) for _, t0, t1 in marks]
+    side = [reporting for reporting, _, _ in marks]
+    bg_pairs = [(background[i] - background[i + 1]) * (1 if side[i] else -1) for i in range(0, len(marks) - 1, 2)]
+    bg_mean, bg_half = _mean_ci(bg_pairs)
+    worst = max(_mean_ci(o["cpu_pairs"])[0] for o in over)
+    worst_half = max(_mean_ci(o["cpu_pairs"])[1] for o in over)
+    for rank, o in enumerate(over):
+        m, h = _mean_ci(o["cpu_pairs"])
+        rows.append((f"CNN step, rank {rank}: the training thread's own extra CPU with report(), share of the step",
+                     f"{statistics.median(o['cpu_pairs']) * 100:+.2f} %", "",
+                     f"mean {m * 100:+.2f} % (95 % CI {(m - h) * 100:+.2f} to {(m + h) * 100:+.2f} %); "
+                     "time.thread_time(): what the rank itself spends, not the waits others cause it"))
+    rows.append(("extra CPU on every other thread (flusher, supervisor, worker, scheduler, client) while "
+                 "reporting, share of one core", f"{statistics.median(bg_pairs) * 100:+.2f} %", "",
+                 f"mean {bg_mean * 100:+.2f} % (95 % CI {(bg_mean - bg_half) * 100:+.2f} to "
+                 f"{(bg_mean + bg_half) * 100:+.2f} %), paired blocks, /proc schedstat of every thread"))
+    rows.append(("overhead bound: training thread + all of that CPU taken from the ranks (goal < 1 %)",
+                 f"**{(worst + bg_mean) * 100:+.2f} %**", "",
+                 f"95 % CI up to {(worst + worst_half + bg_mean + bg_half) * 100:+.2f} %; a rank waits for the "
+                 "slower one every step, so CPU taken from either delays both: at most one core-second of delay "
+                 "per core-second taken"))
     rows.append((f"events/s, 2 ranks x {args.burst:,} reports to the client's callback",
                  f"{n_burst / elapsed:,.0f}", "", f"{n_burst:,} events in {elapsed:.2f} s"))
     rows.append((f"delay report() -> client callback, 2 ranks x {args.rate}/s for {args.seconds:g} s (ms)",

@@ -85,14 +85,14 @@ class Sampler(threading.Thread):
         self._done.set()
         self.join()
 
-    def cpu(self, t0: float, t1: float) -> dict[str, float]:
-        """CPU seconds per second between t0 and t1, summed by process kind."""
+    def cpu(self, t0: float, t1: float, exclude=()) -> dict[str, float]:
+        """CPU seconds per second between t0 and t1, summed by process kind; ``exclude``: (pid, tid) left out."""
         def at(t):
             return next((row for ts, row in reversed(self.samples) if ts <= t), {})
         a, b = at(t0), at(t1)
         out: dict[str, float] = {}
         for key, (label, sec) in b.items():
-            if key in a:
+            if key in a and key not in exclude:
                 out[label] = out.get(label, 0.0) + (sec - a[key][1]) / (t1 - t0)
         return out
 

@@ -6,7 +6,7 @@ Worker side, :class:`Relay` publishes one event per batch
 (the rank sends one at most every ``ddp.events.flush-interval``), with any
 output lines gathered meanwhile; output lines alone at the same pace. Each batch
 costs about 2 ms of CPU across the rank, worker, scheduler and client, whatever
-its size, so batches are few (``benchmarks/RESULTS_report.md``). Client
+its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``). Client
 side, :class:`Subscription` subscribes before the ranks start, backfills once
 with ``get_events`` (subscribing does not replay the past) and drops batches
 it has already seen, keyed by (attempt, rank, seq). Handlers of
