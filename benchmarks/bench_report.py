@@ -39,16 +39,14 @@ so no spare starting in the background competes with the measurement.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import dask_ddp
-from bench_report_cpu import Sampler
+from bench_report_cpu import Sampler, publish
 
 # ---- run on the ranks ------------------------------------------------------------------------------------------
 
@@ -282,14 +280,7 @@ def main(argv=None) -> int:
 
     head = ("| measure | median | p99 | notes |", "|---|---|---|---|")
     table = "\n".join(head + tuple(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows))
-    load = os.getloadavg()
-    meta = (f"{datetime.datetime.now().isoformat(timespec='seconds')}, {platform.node()}, "
-            f"{os.cpu_count()} CPUs, load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, "
-            f"Python {platform.python_version()}, torch {__import__('torch').__version__}")
-    text = f"# report() benchmark\n\n{meta}\n\n`python {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}`\n\n{table}\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    publish("report() benchmark", table, args.out, f"torch {__import__('torch').__version__}")
     return 0
 
 

@@ -143,17 +143,21 @@ def main(argv=None) -> int:
     for interval, batches, reports, extra in results:
         parts = ", ".join(f"{k} {v * 100:+.2f}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1]))
         lines.append(f"| {interval:g} | {batches:.1f} | {reports} | **{sum(extra.values()) * 100:+.2f}** ({parts}) |")
+    publish("Where reporting costs CPU", "\n".join(lines) + f"\n\nLeast squares over the intervals: "
+            f"**{per_batch * 1000:.2f} ms of CPU per batch**, **{per_report * 1e6:.1f} us per report** (the report() "
+            "call on the rank included).", args.out, f"dask-ddp {dask_ddp.__version__}")
+    return 0
+
+
+def publish(title: str, body: str, out: str | None, versions: str) -> None:
+    """Print a results page (title, machine and load, the command line, ``body``) and write it to ``out``."""
     load = os.getloadavg()
     meta = (f"{datetime.datetime.now().isoformat(timespec='seconds')}, {platform.node()}, {os.cpu_count()} CPUs, "
-            f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, Python {platform.python_version()}, "
-            f"dask-ddp {dask_ddp.__version__}")
-    text = (f"# Where reporting costs CPU\n\n{meta}\n\n`python {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}`\n\n"
-            + "\n".join(lines) + f"\n\nLeast squares over the intervals: **{per_batch * 1000:.2f} ms of CPU per batch**, "
-            f"**{per_report * 1e6:.1f} us per report** (the report() call on the rank included).\n")
+            f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, Python {platform.python_version()}, {versions}")
+    text = f"# {title}\n\n{meta}\n\n`python {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}`\n\n{body}\n"
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    if out:
+        Path(out).write_text(text)
 
 
 if __name__ == "__main__":
