@@ -93,7 +93,7 @@ def _where(directory, storage_options) -> _Where:
         directory = ctx.checkpoint_dir
     directory = os.fspath(directory)
     if storage_options is None:
-        storage_options = (ctx.extra.get("storage_options") if ctx is not None else None) or {}
+        storage_options = (ctx.checkpoint_options if ctx is not None else None) or {}
     fs, root = fsspec.core.url_to_fs(directory, **storage_options)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     return _Where(fs, root.rstrip("/"), _redact(directory).rstrip("/"), rank, world)
@@ -207,7 +207,7 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
         checkpoints (and older leftovers of crashed writes); None keeps all.
     all_ranks : one file per rank, named ``...rank-RRRRR-of-WWWWW.pt``.
     storage_options : fsspec options (s3: ``key``, ``secret``, ``client_kwargs``);
-        default: the context's ``extra["storage_options"]``, else none.
+        default: the job's ``checkpoint_options`` inside a rank, else none.
 
     Raises
     ------

@@ -40,6 +40,7 @@ class Context:
     run_id : the job's id; restart_count : the attempt, 0 first; max_restarts.
     worker : address of the Dask worker running this rank.
     checkpoint_dir : the ``checkpoint_dir=`` given to ``run`` (fsspec URL) or None.
+    checkpoint_options : the ``checkpoint_options=`` given to ``run`` (fsspec storage options; not in the repr).
     """
 
     rank: int
@@ -58,7 +59,7 @@ class Context:
     master_addr: str = ""
     master_port: int = 0
     checkpoint_dir: str | None = None
-    extra: dict = field(default_factory=dict)
+    checkpoint_options: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_rank_zero(self) -> bool:

@@ -53,7 +53,7 @@ class LaunchSpec:
     echo_logs: bool = True
     callbacks: tuple = ()
     raise_in_task: bool = False
-    extra: dict = field(default_factory=dict)
+    checkpoint_options: dict = field(default_factory=dict, repr=False)
 
     def task_base(self, run_id: str, attempt: int, plan: planning.RankPlan, topic: str, names: dict) -> dict:
         """The part of every rank's task that is the same for all ranks of an attempt."""
@@ -68,7 +68,7 @@ class LaunchSpec:
             "payload": {
                 "call": self.call, "run_id": run_id, "attempt": attempt, "backend": self.backend,
                 "master_addr": plan.master_addr, "timeout": self.timeout, "max_restarts": self.max_restarts,
-                "checkpoint_dir": self.checkpoint_dir, "extra": self.extra,
+                "checkpoint_dir": self.checkpoint_dir, "checkpoint_options": self.checkpoint_options,
                 "flush_interval": dask.config.get("ddp.events.flush-interval"),
             },
         }
@@ -204,7 +204,7 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
                                   master_addr=master_addr, name=name, callbacks=callbacks, progress=progress,
                                   total=total, stall_timeout=stall_timeout, max_restarts=max_restarts,
                                   checkpoint_dir=checkpoint_dir, timeout=timeout,
-                                  extra={"storage_options": dict(checkpoint_options or {})}))._start()
+                                  checkpoint_options=checkpoint_options))._start()
 
 
 def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
@@ -245,7 +245,7 @@ def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool
 
 
 def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
-               stall_timeout, max_restarts, checkpoint_dir, timeout, raise_in_task=False, extra=None) -> LaunchSpec:
+               stall_timeout, max_restarts, checkpoint_dir, timeout, raise_in_task=False, checkpoint_options=None) -> LaunchSpec:
     if getattr(client, "status", None) != "running":
         raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
                                 "create a new Client(...) for the cluster")
@@ -272,4 +272,5 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
                               minimum=0.1, allow_none=True),
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
-        echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), raise_in_task=raise_in_task, extra=extra or {})
+        echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), raise_in_task=raise_in_task,
+        checkpoint_options=dict(checkpoint_options or {}))

@@ -133,7 +133,7 @@ def _run_job(chan: _Channel, payload: dict) -> None:
             device=device, device_ids=device_ids, backend=backend, run_id=payload["run_id"],
             restart_count=payload["attempt"], max_restarts=payload["max_restarts"], worker=worker,
             master_addr=payload["master_addr"], master_port=store.port, checkpoint_dir=payload["checkpoint_dir"],
-            extra=payload.get("extra", {})))
+            checkpoint_options=payload["checkpoint_options"]))
         value = fn(*args, **kwargs)
         blob = cloudpickle.dumps(value)
         _finish(store, rank, world_size)

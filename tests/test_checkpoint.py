@@ -279,7 +279,7 @@ def test_all_ranks_names_and_completeness(tmp_path, as_rank):
 
 def test_context_supplies_directory_and_storage_options(s3, as_rank):
     directory = f"s3://{s3['bucket']}/job"
-    as_rank(0, checkpoint_dir=directory, extra={"storage_options": s3["storage_options"]})
+    as_rank(0, checkpoint_dir=directory, checkpoint_options=s3["storage_options"])
     assert ck.save_checkpoint({"a": 1}, 1) == f"{directory}/step-000000001.pt"
     assert ck.load_checkpoint() == {"a": 1}
 

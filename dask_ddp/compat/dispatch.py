@@ -104,7 +104,7 @@ def run(client, pytorch_function: Callable, *args: Any, backend: str = "nccl", p
         spec = _dispatch._make_spec(
             client, fn, fn_args, kwargs, workers=None, backend=backend, master_addr=None, name=name,
             callbacks=(verdict,), progress=False, total=None, stall_timeout=None, max_restarts=0,
-            checkpoint_dir=None, timeout=None, extra={"storage_options": {}})
+            checkpoint_dir=None, timeout=None, checkpoint_options=None)
     job = Job(client, spec)._start()
     futures = []
     for rank, rank_future in enumerate(job.futures):
