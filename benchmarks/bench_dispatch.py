@@ -162,13 +162,14 @@ def write_script(folder: str) -> str:
 
 # ---- helpers run on the Dask workers (client.run) -------------------------------------------------------------
 
-def _spare_state() -> str:
+def _spare_state(dask_worker=None) -> str:
     """'ready' when this worker's spare rank process has imported torch and waits for a job."""
-    from dask_ddp.supervisor import _SPARES
+    from dask_ddp.plugin import RankHost
 
-    spare = _SPARES._spare
+    spares = RankHost.of(dask_worker).spares
+    spare = spares._spare
     if spare is None:
-        return "filling" if _SPARES._filling else "none"
+        return "filling" if spares._filling else "none"
     return "ready" if spare.conn.poll(0) else "starting"  # poll() peeks at the "ready" message, reads nothing
 
 

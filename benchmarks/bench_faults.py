@@ -382,9 +382,9 @@ def _worker_children(dask_worker=None):
     import psutil
 
     try:
-        from dask_ddp.supervisor import _SPARES
+        from dask_ddp.plugin import RankHost
 
-        spare = set(_SPARES.pids())
+        spare = set(RankHost.of(dask_worker).spares.pids())
     except Exception:  # noqa: BLE001
         spare = set()
     out = []

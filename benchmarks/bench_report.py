@@ -156,10 +156,10 @@ def paced(rate, seconds):
 # ---- the client side -------------------------------------------------------------------------------------------
 
 
-def _spare_ready() -> str:
-    from dask_ddp.supervisor import _SPARES
+def _spare_ready(dask_worker=None) -> str:
+    from dask_ddp.plugin import RankHost
 
-    spare = _SPARES._spare
+    spare = RankHost.of(dask_worker).spares._spare
     return "ready" if spare is not None and spare.conn.poll(0) else "starting"
 
 

@@ -1,11 +1,16 @@
 """dask-ddp: PyTorch DistributedDataParallel on any Dask cluster, in one call from a notebook.
 
+Runs in: the client (``dispatch``, ``Job``, sinks) and the rank process (``get_context``,
+``report``, checkpoints, ``S3ImageFolder``). Every rank process imports this package,
+so it imports neither torch nor the client's machinery until they are used.
+
 >>> job = dask_ddp.dispatch.run(client, train, 3, lr=0.1)   # doctest: +SKIP
 >>> job.result()                                            # doctest: +SKIP
 """
 
+import importlib
+
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
-from . import dispatch
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .context import Context, all_reduce_mean, get_context, rank_zero_first, seed_everything
 from .errors import (
@@ -20,22 +25,21 @@ from .errors import (
     StallError,
     WorkerLostError,
 )
-from .job import Job
 from .reporting import report
 from .sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
 
 __version__ = "0.1.0"
 
-# Imported on first use: torchvision (and so torch) takes seconds to import, and the first task of a job
-# imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile.
-_LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data"}
+# Imported on first use. torchvision (and so torch) takes seconds to import, and the first task of a job
+# imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile. The client's
+# side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
+_LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data", "Job": "job", "dispatch": None}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+        value = module if _LAZY[name] is None else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'dask_ddp' has no attribute {name!r}")

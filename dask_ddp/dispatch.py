@@ -1,10 +1,12 @@
 """``dask_ddp.dispatch.run``: start a DDP job on a Dask cluster, one rank per worker.
 
+Runs in: the client (the notebook).
+
 Everything is validated here, on the client, before anything ships: the
 function and every argument must pickle (cloudpickle, so a function defined
 in a notebook travels by value), the workers must exist, the backend must be
-known. The result is a frozen :class:`LaunchSpec`; the :class:`~dask_ddp.job.Job`
-owns everything live.
+known. The result is a frozen :class:`~dask_ddp.spec.LaunchSpec`; the
+:class:`~dask_ddp.job.Job` and its controller own everything live.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import numbers
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import cloudpickle
@@ -21,58 +22,14 @@ import dask
 
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import plan as planning
+from . import plugin
 from .errors import ClientClosedError, PlanError, SerializationError
 from .job import Job
+from .spec import LaunchSpec
 
 __all__ = ["run", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Everything a launch needs, validated and frozen on the client."""
-
-    call: bytes
-    fn_name: str
-    first_plan: planning.RankPlan
-    workers: Any = None
-    backend: str = "auto"
-    master_addr: str | None = None
-    name: str | None = None
-    timeout: float = 1800
-    rendezvous_timeout: float = 300
-    spawn_timeout: float = 120
-    poll_interval: float = 0.25
-    stall_timeout: float | None = None
-    worker_timeout: float | None = 6
-    max_restarts: int = 0
-    restart_wait: float = 60
-    checkpoint_dir: str | None = None
-    progress: bool = True
-    total: int | None = None
-    echo_logs: bool = True
-    callbacks: tuple = ()
-    raise_in_task: bool = False
-    checkpoint_options: dict = field(default_factory=dict, repr=False)
-
-    def task_base(self, run_id: str, attempt: int, plan: planning.RankPlan, topic: str, names: dict) -> dict:
-        """The part of every rank's task that is the same for all ranks of an attempt."""
-        return {
-            "run_id": f"{run_id}-{attempt}", "attempt": attempt, "topic": topic,
-            "abort_event": names["abort"], "port_variable": names["port"],
-            "rendezvous_timeout": self.rendezvous_timeout, "spawn_timeout": self.spawn_timeout,
-            "poll_interval": self.poll_interval,
-            # a job that may restart keeps its workers' next spares warm while it runs: a restart then starts at
-            # once (a job that cannot restart starts them when it ends, so that they never compete with training)
-            "spare_early": attempt < self.max_restarts,
-            "payload": {
-                "call": self.call, "run_id": run_id, "attempt": attempt, "backend": self.backend,
-                "master_addr": plan.master_addr, "timeout": self.timeout, "max_restarts": self.max_restarts,
-                "checkpoint_dir": self.checkpoint_dir, "checkpoint_options": self.checkpoint_options,
-                "flush_interval": dask.config.get("ddp.events.flush-interval"),
-            },
-        }
-
 
 def _local_module(fn: Callable):
     """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
@@ -233,22 +190,23 @@ def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool
     PlanError
         Bad ``workers=``.
     """
-    from .supervisor import warm_spare
-
-    if getattr(client, "status", None) != "running":
-        raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
-                                "create a new Client(...) for the cluster")
+    _check_client(client)
     timeout = _number("timeout", timeout)
     info = client.scheduler_info(n_workers=-1)
     plan = planning.make_plan(planning.workers_from_scheduler_info(info), workers, None)
-    return client.run(warm_spare, timeout, workers=list(plan.addresses))
+    plugin.register(client)
+    return client.run(plugin.warm_spare, timeout, workers=list(plan.addresses))
 
 
-def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
-               stall_timeout, max_restarts, checkpoint_dir, timeout, raise_in_task=False, checkpoint_options=None) -> LaunchSpec:
+def _check_client(client) -> None:
     if getattr(client, "status", None) != "running":
         raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
                                 "create a new Client(...) for the cluster")
+
+
+def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
+               stall_timeout, max_restarts, checkpoint_dir, timeout, checkpoint_options=None) -> LaunchSpec:
+    _check_client(client)
     if not callable(fn):
         raise TypeError(f"run(client, fn, ...) needs a callable fn, got {type(fn).__name__}: {fn!r}")
     cfg = dask.config.get("ddp")
@@ -267,10 +225,9 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         backend=backend, master_addr=master_addr, name=name,
         timeout=_number("timeout", cfg["timeout"] if timeout is None else timeout, minimum=1),
         rendezvous_timeout=cfg["rendezvous-timeout"], spawn_timeout=cfg["spawn-timeout"],
-        poll_interval=cfg["poll-interval"], restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
+        poll_interval=cfg["poll-interval"], flush_interval=cfg["events"]["flush-interval"], restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
         stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
                               minimum=0.1, allow_none=True),
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
-        echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), raise_in_task=raise_in_task,
-        checkpoint_options=dict(checkpoint_options or {}))
+        echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), checkpoint_options=dict(checkpoint_options or {}))

@@ -1,5 +1,8 @@
 """Events between ranks and the notebook, over Dask's ``log_event`` / ``subscribe_topic``.
 
+Runs in: the Dask worker (:class:`Relay`) and the client (:class:`TopicFeed`,
+:class:`EventOrder`, :class:`WorkerWatch`); one batch format between them.
+
 Worker side, :class:`Relay` publishes one event per batch
 (``{"run", "rank", "attempt", "seq", "items"}``) on the job's topic, at most
 ``ddp.events.max-batch-bytes`` each: a batch of reports from the rank at once
@@ -7,9 +10,10 @@ Worker side, :class:`Relay` publishes one event per batch
 output lines gathered meanwhile; output lines alone at the same pace. Each batch
 costs about 2 ms of CPU across the rank, worker, scheduler and client, whatever
 its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``). Client
-side, :class:`Subscription` subscribes before the ranks start, backfills once
-with ``get_events`` (subscribing does not replay the past) and drops batches
-it has already seen, keyed by (attempt, rank, seq). Handlers of
+side, :class:`TopicFeed` subscribes before the ranks start and backfills once
+with ``get_events`` (subscribing does not replay the past); :class:`EventOrder`
+drops batches already seen, keyed by (attempt, rank, seq), and puts each rank's
+in the order it sent them. Handlers of
 ``subscribe_topic`` run on the client's event loop, so they only enqueue.
 
 Dask allows one handler per topic and client; :class:`WorkerWatch` shares the
@@ -28,7 +32,7 @@ import dask
 
 from .reporting import TICK
 
-__all__ = ["Relay", "Subscription", "WorkerWatch"]
+__all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
 
 MAX_LINE = 10_000  # characters of one output line kept; longer lines are cut with a marker
 
@@ -104,33 +108,21 @@ class Relay:
         self.flush()
 
 
-class Subscription:
-    """A job's view of its topic: every batch once, in order per rank, through a thread-safe queue.
+class EventOrder:
+    """Every batch once, in the order each rank sent it: no I/O, fed with what the topic delivers.
 
-    Subscribing goes over the client's batched stream to the scheduler, the same
-    stream that later submits the ranks' tasks, so the scheduler has the
-    subscription before any rank can publish. :meth:`backfill` fetches what was
-    published before (``get_events``); :meth:`take` drops the duplicates and
-    puts each rank's batches in the order the rank sent them.
+    Batches come twice when a backfill (``get_events``) overlaps the live
+    subscription, and out of order when a backfill brings an older one late:
+    :meth:`take` drops the duplicates and holds a batch back until its
+    predecessor (same attempt and rank, ``seq - 1``) has been given out.
     """
 
-    def __init__(self, client, topic: str):
-        self.client, self.topic = client, topic
-        self.queue: queue.Queue = queue.Queue()
+    def __init__(self):
         self._seen: set[tuple] = set()
         self._lock = threading.Lock()
         self.last_seq: dict[tuple[int, int], int] = {}
         self._held: dict[tuple[int, int], dict[int, dict]] = {}  # (attempt, rank) -> seq -> batch, waiting
         self._next: dict[tuple[int, int], int] = {}  # (attempt, rank) -> the seq to deliver next
-        client.subscribe_topic(topic, self._on_event)
-
-    def _on_event(self, event) -> None:  # runs on the client's event loop: enqueue only
-        self.queue.put(event[1])
-
-    def backfill(self) -> None:
-        """Fetch what the scheduler holds for the topic (subscribing does not replay the past)."""
-        for _, msg in self.client.get_events(self.topic):
-            self.queue.put(msg)
 
     def take(self, msg: dict) -> list[dict]:
         """The batches ``msg`` makes ready, in ``seq`` order per rank and attempt.
@@ -164,13 +156,48 @@ class Subscription:
             return out
 
     def have_all(self, attempt: int, rank: int, last_seq: int) -> bool:
+        """Whether every batch up to ``last_seq`` of that rank and attempt has been taken."""
         with self._lock:
             return all((attempt, rank, s) in self._seen for s in range(last_seq + 1))
+
+
+class TopicFeed:
+    """A job's Dask event topic on the client: what arrives goes to a thread-safe queue.
+
+    Subscribing goes over the client's batched stream to the scheduler, the same
+    stream that later submits the ranks' tasks, so the scheduler has the
+    subscription before any rank can publish. :meth:`backfill` fetches what was
+    published before (subscribing does not replay the past).
+    """
+
+    def __init__(self, client, topic: str):
+        self.client, self.topic = client, topic
+        self.queue: queue.Queue = queue.Queue()
+        client.subscribe_topic(topic, self._on_event)
+
+    def _on_event(self, event) -> None:  # runs on the client's event loop: enqueue only
+        self.queue.put(event[1])
+
+    def get(self, wait: float) -> list[dict]:
+        """What arrived, waiting up to ``wait`` seconds for the first message."""
+        try:
+            out = [self.queue.get(timeout=wait)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def backfill(self) -> list[dict]:
+        """What the scheduler holds for the topic (``get_events``)."""
+        return [msg for _, msg in self.client.get_events(self.topic)]
 
     def close(self) -> None:
         try:
             self.client.unsubscribe_topic(self.topic)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the client may be closed already
             pass
 
 

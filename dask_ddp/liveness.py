@@ -1,5 +1,7 @@
 """Workers that go silent: a machine that vanished says nothing for minutes.
 
+Runs in: the client (the job's controller feeds it the scheduler's view of the workers).
+
 A killed or closed worker is reported at once by the scheduler (``remove-worker``),
 but a machine that loses power or network sends nothing: the scheduler drops
 such a worker only after ``distributed.scheduler.worker-ttl`` (5 minutes by
@@ -14,8 +16,7 @@ silent while no worker's heartbeat moves (a stalled scheduler or client).
 
 from __future__ import annotations
 
-import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 __all__ = ["SilenceWatch"]
 
@@ -29,24 +30,25 @@ def _heartbeat_interval(n_workers: int) -> float:
 
 
 class SilenceWatch:
-    """Finds workers whose heartbeats to the scheduler stopped; ``timeout`` None or 0 turns it off."""
+    """Finds workers whose heartbeats to the scheduler stopped; ``timeout`` None or 0 turns it off.
 
-    def __init__(self, client, timeout: float | None, every: float = 1.0):
-        self.client, self.timeout, self.every = client, timeout, every
-        self._changed: dict[str, tuple[float, float]] = {}  # address -> (last_seen, client time it changed)
-        self._checked = 0.0
+    No I/O: the controller asks :meth:`due` and, when it is, passes the
+    scheduler's workers (``scheduler_info(n_workers=-1)["workers"]``) to :meth:`check`.
+    """
+
+    def __init__(self, timeout: float | None, every: float = 1.0):
+        self.timeout, self.every = timeout, every
+        self._changed: dict[str, tuple[float, float]] = {}  # address -> (last_seen, local time it changed)
+        self._checked = float("-inf")
         self.silent: dict[str, float] = {}  # address -> seconds of silence when it was declared lost
 
-    def check(self, addresses: Iterable[str]) -> dict[str, float]:
-        """Newly silent workers among ``addresses``, with their seconds of silence (at most once per ``every``)."""
-        now = time.monotonic()
-        if not self.timeout or now - self._checked < self.every:
-            return {}
+    def due(self, now: float) -> bool:
+        """Whether a check is due at ``now`` (``time.monotonic()``): at most once per ``every`` seconds."""
+        return bool(self.timeout) and now - self._checked >= self.every
+
+    def check(self, workers: Mapping[str, Mapping], addresses: Iterable[str], now: float) -> dict[str, float]:
+        """Newly silent workers among ``addresses``, with their seconds of silence."""
         self._checked = now
-        try:
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        except Exception:  # noqa: BLE001 - the client may be closing; the next check tries again
-            return {}
         for address, info in workers.items():
             seen = info.get("last_seen")
             if seen is not None and self._changed.get(address, (None,))[0] != seen:

@@ -1,5 +1,7 @@
 """The progress bar of :meth:`Job.wait` / :meth:`Job.result` (tqdm's auto flavour).
 
+Runs in: the client.
+
 A widget in Jupyter, text in a terminal. It follows the highest ``step`` any
 rank has reported (``total=`` on ``run`` gives the bar its end) and shows
 the latest metrics of rank 0 in its postfix.
@@ -21,7 +23,7 @@ class Progress:
         self._seen = 0
 
     def update(self) -> None:
-        rows = self.job._metric_rows
+        rows = self.job._record.metric_rows
         if len(rows) == self._seen:
             return
         self._seen = len(rows)

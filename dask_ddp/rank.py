@@ -1,19 +1,15 @@
 """The rank process: a child of a Dask worker that runs one rank of one job.
 
-Started by the supervisor (:mod:`dask_ddp.supervisor`) as
-``python -m dask_ddp.rank FD`` in its own process group, with a socket to the
-supervisor on file descriptor FD. It imports torch at once and then waits,
-warm, for a job: this is what makes a spare cheap to start a job with.
-
-Protocol (pickled tuples over the socket)::
-
-    child -> supervisor: ("ready", pid) ("port", port) ("events", [..])
-                         ("result", bytes) ("error", bytes) ("stacks", text)
-    supervisor -> child: ("start", payload) ("stacks",) ("abort",)
+Runs in: the rank process. Started by the supervisor
+(:mod:`dask_ddp.supervisor`) as ``python -m dask_ddp.rank FD`` in its own
+process group, with a socket to the supervisor on file descriptor FD. It
+imports torch at once and then waits, warm, for a :class:`~dask_ddp.messages.Start`:
+this is what makes a spare cheap to start a job with. The messages both ways
+are the types of :mod:`dask_ddp.messages`.
 
 The child kills its whole process group (itself and its DataLoader workers)
-on ``abort`` or when the socket closes, so a dead supervisor or Dask worker
-never leaves a rank behind.
+when the socket closes or its Dask worker process is gone, so a dead
+supervisor or Dask worker never leaves a rank behind.
 """
 
 from __future__ import annotations
@@ -26,6 +22,14 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+
+from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
+from .task import RankTask
+
+# Text of gloo's and NCCL's plain RuntimeErrors for a broken connection: the last resort of
+# _is_collective_error, for the errors torch gives no type of their own (gloo raises RuntimeError)
+_COLLECTIVE_TEXT = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL error",
+                    "ProcessGroupNCCL", "ProcessGroupGloo")
 
 
 def _die() -> None:
@@ -69,15 +73,12 @@ class _Channel:
             self.conn.send(msg)
 
     def listen(self) -> None:
-        """Serve the supervisor's requests in a daemon thread; die on abort or a closed socket."""
+        """Serve the supervisor's requests in a daemon thread; die when the socket closes."""
         def loop():
             try:
                 while True:
-                    msg = self.conn.recv()
-                    if msg[0] == "stacks":
-                        self.send(("stacks", _format_stacks()))
-                    elif msg[0] == "abort":
-                        _die()
+                    if isinstance(self.conn.recv(), StacksRequest):
+                        self.send(Stacks(_format_stacks()))
             except (EOFError, OSError):
                 _die()
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()
@@ -99,48 +100,45 @@ def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:
                                                  f"be pickled back to the client:\n{text}", rank=rank, worker=worker))
 
 
-def _run_job(chan: _Channel, payload: dict) -> None:
+def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     import cloudpickle
-    import torch
     import torch.distributed as dist
 
     from . import context, devices, reporting
 
-    spec = payload["rank"]
-    rank, world_size, worker = spec["rank"], spec["world_size"], spec["address"]
-    buf = reporting.EventBuffer(rank, payload["attempt"])
-    flusher = reporting.install(buf, lambda items: chan.send(("events", items)), payload["flush_interval"])
-    timeout = timedelta(seconds=payload["timeout"])
-    store = None
+    spec = task.rank
+    rank, world_size, worker = spec.rank, spec.world_size, spec.address
+    buf = reporting.EventBuffer(rank, task.attempt)
+    flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval)
+    timeout = timedelta(seconds=task.timeout)
     try:
-        os.environ.update(payload["env"])
-        fn, args, kwargs = cloudpickle.loads(payload["call"])  # fails here, before any rendezvous, if it must
+        os.environ.update(task.env)
+        fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
         if rank == 0:
-            store = dist.TCPStore(payload["master_addr"], 0, world_size, is_master=True, timeout=timeout,
+            store = dist.TCPStore(task.master_addr, 0, world_size, is_master=True, timeout=timeout,
                                   wait_for_workers=False)
-            chan.send(("port", store.port))  # bound by the OS on port 0: no race, no collision
+            chan.send(Port(store.port))  # bound by the OS on port 0: no race, no collision
         else:
-            store = dist.TCPStore(payload["master_addr"], payload["master_port"], world_size, is_master=False,
-                                  timeout=timeout)
+            store = dist.TCPStore(task.master_addr, master_port, world_size, is_master=False, timeout=timeout)
         os.environ["MASTER_PORT"] = str(store.port)
-        backend, device, device_ids = devices.place(store, rank, world_size, worker, payload["backend"])
+        backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)  # nccl: collectives on it
         _join(store, world_size)
         context._set_context(context.Context(
-            rank=rank, local_rank=spec["local_rank"], world_size=world_size,
-            local_world_size=spec["local_world_size"], node_rank=spec["node_rank"], num_nodes=spec["num_nodes"],
-            device=device, device_ids=device_ids, backend=backend, run_id=payload["run_id"],
-            restart_count=payload["attempt"], max_restarts=payload["max_restarts"], worker=worker,
-            master_addr=payload["master_addr"], master_port=store.port, checkpoint_dir=payload["checkpoint_dir"],
-            checkpoint_options=payload["checkpoint_options"]))
+            rank=rank, local_rank=spec.local_rank, world_size=world_size,
+            local_world_size=spec.local_world_size, node_rank=spec.node_rank, num_nodes=spec.num_nodes,
+            device=device, device_ids=device_ids, backend=backend, run_id=task.run_id,
+            restart_count=task.attempt, max_restarts=task.max_restarts, worker=worker,
+            master_addr=task.master_addr, master_port=store.port, checkpoint_dir=task.checkpoint_dir,
+            checkpoint_options=task.checkpoint_options))
         value = fn(*args, **kwargs)
         blob = cloudpickle.dumps(value)
         _finish(store, rank, world_size)
-        message = ("result", blob)
+        message = Result(blob)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
         # a broken collective on a survivor is a consequence, not a root cause
-        message = ("error", _serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
+        message = Failed(_serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
     # The outcome goes out before the process group is destroyed: destroying it breaks the other ranks'
     # collectives, and their errors must not reach the supervisors before this rank's own.
     flusher.stop()
@@ -157,15 +155,24 @@ def _join(store, world_size: int) -> None:
 
 
 def _is_collective_error(exc: BaseException) -> bool:
-    """A failed collective (a peer went away): torch's DistError, or gloo's and NCCL's plain RuntimeErrors."""
+    """Whether ``exc`` is a broken collective (a peer went away) rather than the rank's own failure.
+
+    By type first: torch's ``DistError`` family (NCCL's ``DistBackendError``, the store's
+    ``DistStoreError``/``DistNetworkError``). Then by where it was raised: a ``RuntimeError`` from
+    inside ``torch.distributed``'s Python API. Last, and only for the ``RuntimeError`` that gloo
+    raises from C++ with no type of its own (for instance inside DDP's backward all-reduce), by its
+    text (``_COLLECTIVE_TEXT``): checked on torch 2.14, gloo's "Connection reset by peer".
+    """
     import torch.distributed as dist
 
     if isinstance(exc, dist.DistError):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
-                                  "NCCL error", "ProcessGroupNCCL", "ProcessGroupGloo"))
+    if not isinstance(exc, RuntimeError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and "torch/distributed/" in frames[-1].filename.replace("\\", "/"):
+        return True
+    return any(mark in str(exc) for mark in _COLLECTIVE_TEXT)
 
 
 def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
@@ -179,6 +186,7 @@ def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m dask_ddp.rank FD``: warm up, wait for a Start, run it, exit."""
     argv = sys.argv[1:] if argv is None else argv
     chan = _Channel(Connection(int(argv[0])))
     _die_with_parent()
@@ -194,15 +202,15 @@ def main(argv: list[str] | None = None) -> None:
     import dask_ddp.context  # noqa: F401
     import dask_ddp.devices  # noqa: F401
 
-    chan.send(("ready", os.getpid()))
+    chan.send(Ready(os.getpid()))
     try:
-        kind, payload = chan.conn.recv()
+        msg = chan.conn.recv()
     except (EOFError, OSError):
         os._exit(0)
-    if kind != "start":
+    if not isinstance(msg, Start):
         os._exit(0)
     chan.listen()
-    _run_job(chan, payload)
+    _run_job(chan, msg.task, msg.master_port)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

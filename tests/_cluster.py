@@ -9,7 +9,7 @@ import psutil
 
 
 def rank_process_pids(client) -> dict:
-    from dask_ddp.supervisor import rank_process_pids as probe
+    from dask_ddp.plugin import rank_process_pids as probe
 
     return client.run(probe)
 

@@ -30,7 +30,7 @@ from dask.distributed import Client, LocalCluster  # noqa: E402
 
 import dask_ddp  # noqa: E402
 from dask_ddp import dispatch  # noqa: E402
-from dask_ddp.events import Subscription  # noqa: E402
+from dask_ddp.events import EventOrder, TopicFeed  # noqa: E402
 from dask_ddp.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
 
 from _cluster import leftover_processes  # noqa: E402
@@ -347,14 +347,12 @@ def _batch(seq):
             "items": [{"kind": "metric", "rank": 0, "attempt": 0, "step": seq, "time": time.time(), "x": seq}]}
 
 
-def _drain(sub, want, timeout=10.0):
-    got, deadline = [], time.monotonic() + timeout
+def _drain(feed, order, want, timeout=10.0, first=()):
+    """The seqs of the batches ``order`` makes ready from ``first`` and then from what ``feed`` delivers."""
+    got = [m["seq"] for msg in first for m in order.take(msg)]
+    deadline = time.monotonic() + timeout
     while len(got) < want and time.monotonic() < deadline:
-        try:
-            msg = sub.queue.get(timeout=0.1)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            continue
-        got.extend(m["seq"] for m in sub.take(msg))
+        got.extend(m["seq"] for msg in feed.get(0.1) for m in order.take(msg))
     return got
 
 
@@ -371,38 +369,34 @@ def test_subscription_backfills_what_was_logged_before_it(client):
     deadline = time.monotonic() + 10
     while len(client.get_events(topic)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    sub = Subscription(client, topic)  # subscribing does not replay the past ...
+    feed, order = TopicFeed(client, topic), EventOrder()  # subscribing does not replay the past ...
     try:
-        sub.backfill()  # ... the backfill does
-        assert _drain(sub, 2) == [0, 1]
+        assert _drain(feed, order, 2, first=feed.backfill()) == [0, 1]  # ... the backfill does
         # Live delivery after subscribing, the way a job's ranks publish: from a task on a worker. The task is
         # submitted on the client's batched stream after the subscribe-topic message, so the scheduler has the
         # subscription before the task runs. (A client.log_event here would be an RPC on another connection,
         # which can overtake the subscription: the race that made this test fail under load in session 1.)
         client.submit(_log_from_worker, topic, _batch(2), pure=False).result(timeout=30)
-        assert _drain(sub, 1) == [2]
-        sub.backfill()  # a second backfill brings duplicates only: all dropped
-        assert _drain(sub, 1, timeout=1.0) == []
-        assert sub.have_all(0, 0, 2) and sub.last_seq[(0, 0)] == 2
+        assert _drain(feed, order, 1) == [2]
+        # a second backfill brings duplicates only: all dropped
+        assert _drain(feed, order, 1, timeout=1.0, first=feed.backfill()) == []
+        assert order.have_all(0, 0, 2) and order.last_seq[(0, 0)] == 2
     finally:
-        sub.close()
+        feed.close()
 
 
-def test_batches_are_delivered_in_the_order_each_rank_sent_them(client):
+def test_batches_are_delivered_in_the_order_each_rank_sent_them():
     """A batch that a backfill brings late goes before its successors that came live, not after them."""
-    sub = Subscription(client, f"dask-ddp-test-{uuid.uuid4().hex[:8]}")
-    try:
-        seqs = lambda batches: [b["seq"] for b in batches]  # noqa: E731
-        assert seqs(sub.take(_batch(1))) == []         # held back: 0 has not come
-        assert seqs(sub.take(_batch(0))) == [0, 1]     # 0 arrives (e.g. by backfill): both, in order
-        assert seqs(sub.take(_batch(1))) == []         # a duplicate
-        other_rank = dict(_batch(0), rank=1)
-        assert sub.take(other_rank) == [other_rank]    # each rank has its own order
-        assert seqs(sub.take(_batch(3))) == []         # 2 never comes ...
-        assert seqs(sub.flush()) == [3]                # ... so 3 is delivered late rather than lost
-        assert sub.last_seq[(0, 0)] == 3 and not sub.have_all(0, 0, 3)
-    finally:
-        sub.close()
+    order = EventOrder()
+    seqs = lambda batches: [b["seq"] for b in batches]  # noqa: E731
+    assert seqs(order.take(_batch(1))) == []         # held back: 0 has not come
+    assert seqs(order.take(_batch(0))) == [0, 1]     # 0 arrives (e.g. by backfill): both, in order
+    assert seqs(order.take(_batch(1))) == []         # a duplicate
+    other_rank = dict(_batch(0), rank=1)
+    assert order.take(other_rank) == [other_rank]    # each rank has its own order
+    assert seqs(order.take(_batch(3))) == []         # 2 never comes ...
+    assert seqs(order.flush()) == [3]                # ... so 3 is delivered late rather than lost
+    assert order.last_seq[(0, 0)] == 3 and not order.have_all(0, 0, 3)
 
 
 def test_a_users_handler_on_the_all_topic_is_kept(client):

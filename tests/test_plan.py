@@ -9,7 +9,7 @@ import pytest
 import dask_ddp
 from dask_ddp.plan import WorkerInfo, make_plan, parse_address, torchrun_env, workers_from_scheduler_info
 from dask_ddp.policy import decide, root_cause
-from dask_ddp.supervisor import RankOutcome
+from dask_ddp.outcome import RankOutcome
 
 
 def w(addr, name):

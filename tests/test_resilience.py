@@ -343,10 +343,11 @@ def test_elastic_restart_on_the_workers_left():
 
 ORPHAN_MAKER = """
 import os, subprocess, sys
-from dask_ddp.supervisor import RankProcess
+from dask_ddp.messages import Ready
+from dask_ddp.process import RankProcess
 
 rank = RankProcess()
-assert rank.conn.recv()[0] == "ready"
+assert isinstance(rank.conn.recv(), Ready)
 # a sleeper holds the socket open: the rank sees no EOF, only that its parent (the 'worker') is gone
 sleeper = subprocess.Popen(["sleep", "60"], pass_fds=(rank.conn.fileno(),), start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,0 +1,117 @@
+"""The controller's hands on a real Dask cluster: submit, watch and stop a job's rank tasks.
+
+Runs in: the client. :class:`DaskCluster` is everything the controller
+(:mod:`dask_ddp.controller`) does to or asks of the cluster, behind a few
+methods, so that the controller can be stepped against a fake in tests
+(``tests/test_controller.py``). Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import cloudpickle
+from distributed import Event, Variable
+
+from . import plugin
+from .errors import RankFailedError
+from .events import TopicFeed, WorkerWatch
+from .outcome import RankOutcome, Status
+from .supervisor import supervise
+from .task import RankTask
+
+__all__ = ["DaskCluster"]
+
+logger = logging.getLogger("dask_ddp")
+
+
+class DaskCluster:
+    """One job's view of a Dask cluster through ``client``: its rank tasks, its event topic, its workers."""
+
+    def __init__(self, client, topic: str):
+        self.client = client
+        self.feed = TopicFeed(client, topic)
+        self._removed: list[str] = []
+        self._lock = threading.Lock()
+        self._watch = WorkerWatch.of(client)
+        self._token = self._watch.add(self._on_removed)
+
+    def _on_removed(self, address: str) -> None:  # on the client's event loop: only record it
+        with self._lock:
+            self._removed.append(address)
+
+    # ---- rank tasks ----------------------------------------------------------------------------------------
+    def submit(self, tasks: list[RankTask]) -> list:
+        """Submit one pinned :func:`~dask_ddp.supervisor.supervise` task per rank; return their futures."""
+        plugin.register(self.client)
+        return [self.client.submit(supervise, t, key=t.key, workers=[t.rank.address], allow_other_workers=False,
+                                   pure=False, retries=0) for t in tasks]
+
+    def outcome(self, future, task: RankTask) -> RankOutcome | None:
+        """The rank's outcome once its task is done, else None. A task that failed becomes an ERROR outcome."""
+        if not future.done():
+            return None
+        try:
+            return future.result(timeout=5)
+        except BaseException as exc:  # noqa: BLE001 - the supervisor never raises: this is Dask's own failure
+            r = task.rank
+            err = RankFailedError(f"the task of rank {r.rank} on worker {r.address} failed: {exc!r}",
+                                  rank=r.rank, worker=r.address)
+            return RankOutcome(r.rank, r.address, Status.ERROR, error=cloudpickle.dumps(err), message=str(err))
+
+    def cancel(self, future) -> None:
+        """Forget a task pinned to a worker that is gone (it would wait forever)."""
+        future.cancel()
+
+    def release(self, futures: list) -> None:
+        for fut in futures:
+            fut.release()
+
+    def abort(self, task: RankTask) -> None:
+        """Set the attempt's abort flag: every supervisor of the attempt stops its rank within a poll interval."""
+        try:
+            Event(task.abort_event, client=self.client).set()
+        except Exception:  # noqa: BLE001 - the client may be closing; the tasks then fail on their own
+            logger.warning("dask-ddp could not set the abort flag of %s", task.attempt_id)
+
+    def cleanup(self, task: RankTask) -> None:
+        """Remove the attempt's abort flag and rendezvous port from the scheduler."""
+        try:
+            Event(task.abort_event, client=self.client).clear()
+            Variable(task.port_variable, client=self.client).delete()
+            Event(task.port_variable + "-ready", client=self.client).clear()
+        except Exception:  # noqa: BLE001 - the client may be closing; the scheduler's state goes with it
+            pass
+
+    # ---- the cluster ---------------------------------------------------------------------------------------
+    def workers(self) -> dict[str, dict]:
+        """The scheduler's workers: ``{address: info}``, every one (not the default first 5)."""
+        return self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def removed(self) -> list[str]:
+        """Addresses of workers that left the cluster since the last call."""
+        with self._lock:
+            out, self._removed = self._removed, []
+        return out
+
+    def stacks(self, attempt_id: str, addresses: list[str]) -> dict[int, str]:
+        """Every rank's Python stack dump, by rank (``-1``: why none could be had)."""
+        try:
+            per_worker = self.client.run(plugin.dump_stacks, attempt_id, workers=addresses, on_error="return")
+        except Exception as exc:  # noqa: BLE001
+            return {-1: f"(could not collect stacks: {exc!r})"}
+        return {rk: text for got in per_worker.values() if isinstance(got, dict) for rk, text in got.items()}
+
+    # ---- events --------------------------------------------------------------------------------------------
+    def events(self, wait: float) -> list[dict]:
+        """The batches that arrived on the job's topic, waiting up to ``wait`` s for the first."""
+        return self.feed.get(wait)
+
+    def backfill(self) -> list[dict]:
+        """The batches the scheduler holds for the topic (subscribing does not replay the past)."""
+        return self.feed.backfill()
+
+    def close(self) -> None:
+        self._watch.remove(self._token)
+        self.feed.close()

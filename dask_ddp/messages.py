@@ -1,0 +1,82 @@
+"""The messages between a rank supervisor and its rank process, one small frozen type each.
+
+Runs in: the Dask worker (the supervisor) and the rank process, at both ends
+of a socket pair (``multiprocessing.connection.Connection``, pickled)::
+
+    rank process -> supervisor        supervisor -> rank process
+    Ready      torch imported         Start          the job: a RankTask and rank 0's store port
+    Port       rank 0 bound its store StacksRequest  dump your Python stacks
+    Events     a batch of reports and log records
+    Result     the function returned (pickled value)
+    Failed     the function raised (pickled exception)
+    Stacks     the stack dump asked for
+
+A rank process runs one job and exits; closing the socket kills it (and its
+DataLoader workers), so a dead supervisor never leaves a rank behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .task import RankTask
+
+__all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "StacksRequest"]
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The rank process has imported torch and waits for a :class:`Start`."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Port:
+    """Rank 0 bound the rendezvous store on this port (chosen by the OS)."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class Events:
+    """Reports and log records gathered for a flush interval (plain dicts, see :mod:`dask_ddp.reporting`)."""
+
+    items: list
+
+
+@dataclass(frozen=True)
+class Result:
+    """The training function returned: its value, pickled with cloudpickle."""
+
+    value: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The training function (or the rank's start) raised: the exception pickled, when, and whether it is a
+    broken collective seen by a survivor (``secondary``), a consequence of another rank's failure."""
+
+    error: bytes = field(repr=False)
+    time: float
+    secondary: bool = False
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """The rank's Python stacks, as text, answering a :class:`StacksRequest`."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Start:
+    """Run this rank; ``master_port`` is rank 0's store port (None for rank 0, which binds it)."""
+
+    task: RankTask
+    master_port: int | None = None
+
+
+@dataclass(frozen=True)
+class StacksRequest:
+    """Send a :class:`Stacks` with every thread's Python stack."""

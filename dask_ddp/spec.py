@@ -1,0 +1,43 @@
+"""The frozen launch spec of a job: everything ``run()`` validated, nothing live.
+
+Runs in: the client. :func:`dask_ddp.dispatch.run` builds it once; the
+controller reads it for every attempt; :func:`dask_ddp.task.rank_tasks` turns
+it into the per-rank tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan import RankPlan
+
+__all__ = ["LaunchSpec"]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launch needs, validated and frozen on the client (see ``run``'s parameters)."""
+
+    call: bytes = field(repr=False)  # cloudpickle of (fn, args, kwargs)
+    fn_name: str
+    first_plan: RankPlan
+    workers: Any = None  # the selection as given: None, n, [addresses/names] or (min, max)
+    backend: str = "auto"
+    master_addr: str | None = None
+    name: str | None = None
+    timeout: float = 1800
+    rendezvous_timeout: float = 300
+    spawn_timeout: float = 120
+    poll_interval: float = 0.25
+    flush_interval: float = 1.0
+    stall_timeout: float | None = None
+    worker_timeout: float | None = 6
+    max_restarts: int = 0
+    restart_wait: float = 60
+    checkpoint_dir: str | None = None
+    checkpoint_options: dict = field(default_factory=dict, repr=False)  # may hold credentials
+    progress: bool = True
+    total: int | None = None
+    echo_logs: bool = True
+    callbacks: tuple = ()

@@ -1,0 +1,83 @@
+"""What one rank's Dask task carries: :class:`RankTask`, built in one place (:func:`rank_tasks`).
+
+Runs in: the client builds it; the rank supervisor (Dask worker) and the rank
+process read it. It is pickled once per rank per attempt; ``call`` (the
+pickled training function and its arguments) is the only large field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import RankPlan, RankSpec, torchrun_env
+from .spec import LaunchSpec
+
+__all__ = ["RankTask", "rank_tasks", "topic_of"]
+
+
+def topic_of(run_id: str) -> str:
+    """The Dask event topic of a job: one topic per run."""
+    return f"dask-ddp-{run_id}"
+
+
+@dataclass(frozen=True)
+class RankTask:
+    """One rank of one attempt: where it runs, what it runs, and the job's settings it needs."""
+
+    run_id: str
+    attempt: int
+    rank: RankSpec
+    master_addr: str
+    backend: str
+    call: bytes = field(repr=False)
+    timeout: float = 1800
+    rendezvous_timeout: float = 300
+    spawn_timeout: float = 120
+    poll_interval: float = 0.25
+    flush_interval: float = 1.0
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_options: dict = field(default_factory=dict, repr=False)  # may hold credentials
+    # a job that may restart keeps its workers' next spares warm while it runs: a restart then starts at once
+    # (a job that cannot restart starts them when it ends, so that they never compete with training)
+    spare_early: bool = False
+
+    @property
+    def attempt_id(self) -> str:
+        """``<run_id>-<attempt>``: names everything of this attempt on the cluster."""
+        return f"{self.run_id}-{self.attempt}"
+
+    @property
+    def topic(self) -> str:
+        return topic_of(self.run_id)
+
+    @property
+    def abort_event(self) -> str:
+        """Name of the Dask ``Event`` that stops every rank of the attempt."""
+        return f"dask-ddp-abort-{self.attempt_id}"
+
+    @property
+    def port_variable(self) -> str:
+        """Name of the Dask ``Variable`` holding rank 0's store port (and, + ``-ready``, the Event set with it)."""
+        return f"dask-ddp-port-{self.attempt_id}"
+
+    @property
+    def key(self) -> str:
+        """The Dask key of the rank's task."""
+        return f"dask-ddp-{self.attempt_id}-rank{self.rank.rank}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """torchrun's environment for the rank (all but MASTER_PORT, known once rank 0 has bound it)."""
+        return torchrun_env(self.rank, self.master_addr, self.run_id, self.attempt, self.max_restarts)
+
+
+def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> list[RankTask]:
+    """The tasks of every rank of ``plan`` for attempt ``attempt`` (0 first), in rank order."""
+    return [RankTask(run_id=run_id, attempt=attempt, rank=r, master_addr=plan.master_addr, backend=spec.backend,
+                     call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
+                     spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval,
+                     flush_interval=spec.flush_interval, max_restarts=spec.max_restarts,
+                     checkpoint_dir=spec.checkpoint_dir, checkpoint_options=spec.checkpoint_options,
+                     spare_early=attempt < spec.max_restarts)
+            for r in plan.ranks]
