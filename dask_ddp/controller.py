@@ -214,11 +214,15 @@ class Controller:
         """Every batch a rank published must arrive before the job reports its end (or DRAIN_WAIT passes)."""
         att, now = self.attempt, self.clock()
         pending = [o for o in att.outcomes.values() if o.last_seq >= 0]
-        if not all(self.order.have_all(att.index, o.rank, o.last_seq) for o in pending):
+
+        def arrived() -> bool:
+            return all(self.order.have_all(att.index, o.rank, o.last_seq) for o in pending)
+
+        if not arrived() and not self._backfilled and now > self._deadline - DRAIN_WAIT / 2:
+            self._deliver(self.cluster.backfill())  # subscribing does not replay what came before it
+            self._backfilled = True
+        if not arrived():
             if now < self._deadline:
-                if not self._backfilled and now > self._deadline - DRAIN_WAIT / 2:
-                    self._deliver(self.cluster.backfill())
-                    self._backfilled = True
                 return
             self._deliver_batches(self.order.flush())  # batches whose predecessor never came: late, not lost
         self._decide(att)

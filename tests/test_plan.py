@@ -8,8 +8,6 @@ import pytest
 
 import dask_ddp
 from dask_ddp.plan import WorkerInfo, make_plan, parse_address, torchrun_env, workers_from_scheduler_info
-from dask_ddp.policy import decide, root_cause
-from dask_ddp.outcome import RankOutcome
 
 
 def w(addr, name):
@@ -95,24 +93,6 @@ def test_errors_pickle_with_fields():
     assert str(back) == "gone"
     stall = pickle.loads(pickle.dumps(dask_ddp.StallError("s", stacks={0: "x"}, rank=0)))
     assert stall.stacks == {0: "x"}
-
-
-def o(rank, status, t=0.0, secondary=False):
-    return RankOutcome(rank, f"tcp://h:{rank}", status, time=t, secondary=secondary)
-
-
-def test_policy_root_cause_and_decisions():
-    # a lost worker explains the others' broken collectives, even when they were noticed first
-    assert root_cause([o(0, "error", 1.0, True), o(1, "lost", 2.0)]).rank == 1
-    # first-hand errors before secondary collective errors, then the earliest
-    assert root_cause([o(0, "error", 1.0, True), o(1, "error", 2.0)]).rank == 1
-    assert root_cause([o(0, "error", 3.0), o(1, "error", 2.0), o(2, "aborted", 0.5)]).rank == 1
-    assert root_cause([o(0, "ok"), o(1, "aborted")]) is None
-    assert decide([o(0, "ok"), o(1, "ok")], cancelled=False, attempt=0, max_restarts=0).action == "finish"
-    d = decide([o(0, "died", 1), o(1, "aborted")], cancelled=False, attempt=0, max_restarts=2)
-    assert (d.action, d.root.rank) == ("restart", 0) and "attempt 2/3" in d.reason
-    assert decide([o(0, "died", 1)], cancelled=False, attempt=2, max_restarts=2).action == "fail"
-    assert decide([o(0, "error", 1)], cancelled=True, attempt=0, max_restarts=5).action == "fail"
 
 
 def test_importing_the_package_does_not_import_torch():
