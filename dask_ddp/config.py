@@ -1,5 +1,7 @@
 """dask-ddp's settings live in ``dask.config`` under ``ddp`` (defaults in ``ddp.yaml``).
 
+Runs in: every process that imports dask_ddp (client, Dask worker, rank process).
+
 So ``DASK_DDP__STALL_TIMEOUT=600`` in the environment, a site file
 ``~/.config/dask/ddp.yaml`` and ``dask.config.set({"ddp.stall-timeout": 600})``
 all work, as for Dask's own settings.

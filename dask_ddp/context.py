@@ -1,5 +1,7 @@
 """What a rank knows about itself, and the small per-rank helpers.
 
+Runs in: the rank process.
+
 Inside the function passed to :func:`dask_ddp.dispatch.run`, :func:`get_context`
 returns the rank's :class:`Context`; the torch process group is already
 initialised. The helpers follow the idioms of the DDP articles this project

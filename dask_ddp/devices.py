@@ -1,5 +1,7 @@
 """GPU placement: which GPU each rank takes, and what ``backend="auto"`` means.
 
+Runs in: the rank process (:func:`place`, at rendezvous); the rules are pure functions.
+
 Decisions apart from actions: :func:`assign` and :func:`choose_backend` are pure
 functions of what each rank sees (the UUIDs of its visible GPUs, in CUDA's
 order); :func:`place` is the rank-side action that shares those through the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -88,8 +91,7 @@ def _uuid(props) -> str:
     uuid = getattr(props, "uuid", None)
     if uuid is not None:
         return str(uuid)
-    import socket  # older torch: the PCI location on this host is as unique
-
+    # older torch: the PCI location on this host is as unique
     return f"{socket.gethostname()}/{props.pci_domain_id}:{props.pci_bus_id}:{props.pci_device_id}"
 
 

@@ -1,5 +1,7 @@
 """The exceptions dask-ddp raises.
 
+Runs in: everywhere; raised in the rank process or the Dask worker, re-raised on the client.
+
 Every class pickles with its fields (they travel from Dask workers to the
 client). A user's own exception raised inside a rank is re-raised on the
 client with its own type, the rank and the worker added as a note

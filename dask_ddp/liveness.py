@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-__all__ = ["SilenceWatch"]
-
-
-def _heartbeat_interval(n_workers: int) -> float:
-    try:
-        from distributed.scheduler import heartbeat_interval
-    except ImportError:  # not public API: fall back to its current rule's slowest small-cluster value
+try:
+    from distributed.scheduler import heartbeat_interval as _heartbeat_interval
+except ImportError:  # not public API: fall back to its current rule's slowest small-cluster value
+    def _heartbeat_interval(n_workers: int) -> float:
         return 1.0
-    return heartbeat_interval(n_workers)
+
+__all__ = ["SilenceWatch"]
 
 
 class SilenceWatch:

@@ -1,5 +1,7 @@
 """Rank planning: which workers take part and which rank each gets.
 
+Runs in: the client (from the scheduler's view of the workers).
+
 Pure functions, no cluster: :func:`make_plan` turns the scheduler's view of
 the workers into a frozen :class:`RankPlan`. Ranks are deterministic: workers
 are ordered by host, then by worker name (dask-cuda names workers by GPU id),

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import sys
 
+from tqdm.auto import tqdm
+
 
 class Progress:
     """One bar over a job's reported steps; ``update()`` is cheap and called from the waiting thread."""
 
     def __init__(self, job, total: int | None = None):
-        from tqdm.auto import tqdm
-
         self.job = job
         self.bar = tqdm(total=total, desc=job.run_id, unit="step", dynamic_ncols=True, leave=True)
         self._seen = 0
@@ -44,6 +44,4 @@ class Progress:
     @staticmethod
     def write(line: str, to_stderr: bool = False) -> None:
         """Print a line without breaking an active bar."""
-        from tqdm.auto import tqdm
-
         tqdm.write(line, file=sys.stderr if to_stderr else sys.stdout)

@@ -23,6 +23,11 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import cloudpickle
+from tblib import pickling_support
+
+from . import context, devices, reporting
+from .errors import RankFailedError
 from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
 from .task import RankTask
 
@@ -85,11 +90,6 @@ class _Channel:
 
 
 def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:
-    import cloudpickle
-    from tblib import pickling_support
-
-    from .errors import RankFailedError
-
     exc.add_note(f"[dask-ddp] raised on rank {rank}, worker {worker}; the other ranks were stopped")
     pickling_support.install(exc)
     try:
@@ -101,10 +101,7 @@ def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:
 
 
 def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
-    import cloudpickle
-    import torch.distributed as dist
-
-    from . import context, devices, reporting
+    import torch.distributed as dist  # imported (warm) by main() already; here for its name
 
     spec = task.rank
     rank, world_size, worker = spec.rank, spec.world_size, spec.address
@@ -190,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     chan = _Channel(Connection(int(argv[0])))
     _die_with_parent()
-    import cloudpickle  # noqa: F401 - warm the imports a job needs before announcing readiness
+    # torch is imported here, after the parent watch started (it can take many seconds), and before Ready:
+    # a spare is warm once these are in
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401 - DistributedDataParallel
@@ -198,9 +196,6 @@ def main(argv: list[str] | None = None) -> None:
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - an optional speed-up only
         pass
-
-    import dask_ddp.context  # noqa: F401
-    import dask_ddp.devices  # noqa: F401
 
     chan.send(Ready(os.getpid()))
     try:

@@ -1,5 +1,7 @@
 """``report()``: metrics from a rank to the notebook, batched, never blocking.
 
+Runs in: the rank process (``report()`` and its flusher thread).
+
 Inside a rank, :func:`report` validates and converts the values, stamps them
 with rank, attempt, step and time, and appends them to an in-memory buffer.
 A background thread of the rank process ships the buffer to its Dask task

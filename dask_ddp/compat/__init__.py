@@ -1,5 +1,7 @@
 """The API of dask-pytorch-ddp 0.2.2, on dask-ddp's engine.
 
+Runs in: the client (``dispatch``, ``results``); results' ``submit_result`` in the rank process.
+
 Code written for dask-pytorch-ddp runs after changing one import::
 
     # from dask_pytorch_ddp import dispatch, results

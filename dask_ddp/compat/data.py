@@ -1,5 +1,7 @@
 """dask-pytorch-ddp 0.2.2's ``data.S3ImageFolder(s3_bucket, s3_prefix, ...)`` on dask-ddp's dataset.
 
+Runs in: the rank process and its DataLoader workers (the dataset), built on the client or a rank.
+
 ``from dask_ddp.compat.data import S3ImageFolder`` replaces
 ``from dask_pytorch_ddp.data import S3ImageFolder``; calls stay as they were.
 The dataset is :class:`dask_ddp.S3ImageFolder` (torchvision's ImageFolder

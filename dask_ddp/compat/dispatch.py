@@ -1,5 +1,7 @@
 """``dask_pytorch_ddp.dispatch.run`` (0.2.2): a list of futures, one per worker, on dask-ddp's engine.
 
+Runs in: the client; ``_settle`` as a Dask task on a worker, ``_with_local_rank`` in the rank process.
+
 The job behind the futures is a normal :class:`dask_ddp.Job`. Each returned
 future is a small task that depends on one rank's task: it returns the
 rank's value when the rank succeeded, and otherwise waits for the job's
@@ -24,9 +26,13 @@ import uuid
 import weakref
 from typing import Any, Callable
 
-from distributed import Future
+import cloudpickle
+from distributed import Future, Variable, wait
+from tblib import pickling_support
 
 from .. import dispatch as _dispatch
+from ..context import get_context
+from ..errors import RankFailedError
 from ..job import Job
 
 __all__ = ["run"]
@@ -124,9 +130,6 @@ def job_of(future) -> Job | None:
 
 def _settle(outcome, verdict_name: str, wait: float = VERDICT_WAIT):
     """The task behind a returned future: the rank's value, or the job's root cause."""
-    import cloudpickle
-    from distributed import Variable
-
     if outcome.status == "ok":
         return cloudpickle.loads(outcome.value)
     try:
@@ -150,15 +153,10 @@ class _Verdict:
         self.failed = False
 
     def on_failure(self, job, error: BaseException) -> None:
-        import cloudpickle
-        from distributed import Variable
-        from tblib import pickling_support
-
         pickling_support.install(error)  # the rank's traceback travels with it
         try:
             blob = cloudpickle.dumps(error)
         except Exception:  # noqa: BLE001 - it came unpickled from a rank, but be safe: keep its text
-            from ..errors import RankFailedError
             blob = cloudpickle.dumps(RankFailedError(f"job {job.run_id} failed: {error!r}"))
         Variable(self.name, client=job.client).set(blob)
         self.failed = True
@@ -169,8 +167,6 @@ class _Verdict:
             self.futures = []
 
     def _forget(self, client) -> None:
-        from distributed import Variable, wait
-
         self.ready.wait(30)
         futures, self.futures = self.futures, []
         try:
@@ -182,8 +178,6 @@ class _Verdict:
 
 def _with_local_rank(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Runs in the rank: 0.2.2's ``pass_local_rank=True`` call convention."""
-    from ..context import get_context
-
     return fn(*args, local_rank=get_context().local_rank, **kwargs)
 
 
@@ -194,8 +188,6 @@ def _by_value(fn: Callable):
     Needed because with ``pass_local_rank`` the user's function is an argument
     of :func:`_with_local_rank`, whose own module (dask_ddp) ships by reference.
     """
-    import cloudpickle
-
     mod = _dispatch._local_module(fn)
     if mod is not None:
         cloudpickle.register_pickle_by_value(mod)

@@ -1,5 +1,7 @@
 """``dask_pytorch_ddp.results.DaskResultsHandler`` (0.2.2): small files from the ranks to the client.
 
+Runs in: the client (``process_results``) and the rank process (``submit_result``).
+
 0.2.2 used Dask's Pub/Sub, removed from distributed in 2025.4. Here a
 result travels like a report: the rank appends an event of kind
 ``"result"`` to its buffer, the job's event topic carries it, and
@@ -18,6 +20,10 @@ import posixpath
 import time
 import uuid
 from typing import Iterable
+
+from .. import reporting
+from ..context import get_context
+from ..errors import NotInRankError
 
 __all__ = ["DaskResultsHandler", "MAX_RESULT_BYTES"]
 
@@ -81,10 +87,6 @@ class DaskResultsHandler:
         dask_ddp.NotInRankError
             Outside a dask-ddp rank.
         """
-        from .. import reporting
-        from ..context import get_context
-        from ..errors import NotInRankError
-
         _check_path(path)
         payload = _encode(path, data)
         buf = reporting._BUFFER
@@ -118,6 +120,8 @@ class DaskResultsHandler:
         OSError
             When a file cannot be written under ``prefix``.
         """
+        # not at the top: the ranks unpickle this module (a handler travels in the training function), and
+        # compat.dispatch brings the client's side with it (distributed's client, pandas)
         from .dispatch import job_of
 
         futures = list(futures)
