@@ -1,4 +1,4 @@
-"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server) and real Dask clusters.
+"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server) and a real Dask cluster.
 
 Nothing here is mocked: the S3 server speaks HTTP on loopback, the clusters run
 worker processes, and torch process groups use gloo over loopback.
@@ -31,6 +31,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A client of a LocalCluster of 2 worker processes on 127.0.0.1, shared by the tests of one module."""
+    from _cluster import local_client
+
+    with local_client(2) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

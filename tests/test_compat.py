@@ -14,7 +14,6 @@ import datetime
 import json
 import multiprocessing as mp
 import pickle
-import time
 import traceback
 
 import io
@@ -23,7 +22,7 @@ import boto3
 import pytest
 import torch
 import torch.distributed as dist
-from dask.distributed import Client, LocalCluster, wait
+from dask.distributed import wait
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import SubsetRandomSampler
@@ -34,15 +33,14 @@ from dask_ddp.compat import dispatch, results
 from dask_ddp.compat.data import S3ImageFolder
 from dask_ddp.compat.results import DaskResultsHandler
 
-from _cluster import leftover_processes
+from _cluster import leftover_processes, local_client, wait_until
 
 
 @pytest.fixture(scope="module")
 def client(s3_server):
     env = {"AWS_ENDPOINT_URL_S3": s3_server}  # how boto3 and s3fs find a non-AWS endpoint without code changes
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", env=env) as cluster:
-        with Client(cluster) as c:
-            yield c
+    with local_client(2, env=env) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +117,7 @@ def run_transfer_learning(bucket, prefix, samplesize, n_epochs, batch_size, num_
                 rh.submit_result(f"checkpoint-{dt}.pkl", pickle.dumps(model.state_dict()))
 
 
+@pytest.mark.slow
 def test_readme_example_with_changed_imports(client, image_bucket, tmp_path):
     train_sampler = SubsetRandomSampler(list(range(48)))  # 48 samples, batches of 8: 6 per epoch
     futures = dispatch.run(client, run_transfer_learning, bucket=image_bucket, prefix="images", samplesize=48,
@@ -173,6 +172,7 @@ def raises_on_rank_one(handler):
     return "unreachable"
 
 
+@pytest.mark.slow
 def test_a_raising_rank_raises_through_gather_and_process_results(client, tmp_path):
     handler = DaskResultsHandler()
     futures = dispatch.run(client, raises_on_rank_one, handler, backend="gloo")
@@ -191,9 +191,7 @@ def test_a_raising_rank_raises_through_gather_and_process_results(client, tmp_pa
     for prefix in ("a", "b"):
         assert sorted(p.name for p in (tmp_path / prefix / "before").iterdir()) == ["0.txt", "1.txt"]
     assert leftover_processes(client) == []
-    deadline = time.monotonic() + 10
-    while _verdicts(client) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not _verdicts(client), 10, interval=0.1, must=False)
     assert _verdicts(client) == [], "the verdict variable must be deleted once the futures read it"
 
 

@@ -28,6 +28,7 @@ def read_shards(dataset, epochs):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_per_class", [10])
 def test_two_ranks_see_every_sample_once_per_epoch(s3, n_per_class):
     import boto3

@@ -14,23 +14,11 @@ from dask.distributed import Client, LocalCluster
 import dask_ddp
 from dask_ddp import dispatch
 
-from _cluster import leftover_processes, no_running_ranks, rank_process_pids
+from _cluster import leftover_processes, local_client, no_running_ranks, rank_process_pids, run, wait_until
 
 TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"]
-
-
-@pytest.fixture(scope="module")
-def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            yield c
-
-
-def run(client, fn, *args, **kwargs):
-    kwargs.setdefault("progress", False)
-    return dispatch.run(client, fn, *args, **kwargs)
 
 
 # ---- functions run on the ranks (module level or local: both ship by value) -------------------------------
@@ -96,6 +84,7 @@ def test_torchrun_env_and_context(client):
     assert all(v == [] for v in leaked.values()), f"env leaked into the Dask workers: {leaked}"
 
 
+@pytest.mark.slow
 def test_twenty_jobs_in_a_row_no_cache_no_port_left(client):
     def tiny(i):
         import torch
@@ -131,6 +120,7 @@ class _Records(logging.Handler):
         self.records.append(self.format(record))
 
 
+@pytest.mark.slow
 def test_helpers_rank_zero_first_seed_all_reduce(client):
     def helpers(path):
         import random
@@ -167,7 +157,7 @@ def test_dataloader_with_workers_inside_a_rank(client):
     assert leftover_processes(client) == []
 
 
-@pytest.mark.parametrize("failing", [0, 1])
+@pytest.mark.parametrize("failing", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_raising_rank_stops_the_others_fast(client, failing):
     def fail_one(bad):
         import torch
@@ -206,9 +196,7 @@ def test_cancel_stops_every_rank(client):
             time.sleep(0.1)
 
     job = run(client, forever)
-    deadline = time.time() + 60
-    while job.metrics.empty and time.time() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not job.metrics.empty, 60, what="the first report")
     t0 = time.time()
     job.cancel()
     took = time.time() - t0
@@ -219,24 +207,24 @@ def test_cancel_stops_every_rank(client):
     assert leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_two_concurrent_jobs_on_disjoint_workers():
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            addrs = sorted(c.scheduler_info(n_workers=-1)["workers"])
-            results = {}
+    with local_client(4) as c:
+        addrs = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        results = {}
 
-            def go(name, workers):
-                results[name] = dispatch.run(c, train_ddp, 3, workers=workers, progress=False).result(timeout=180)
+        def go(name, workers):
+            results[name] = dispatch.run(c, train_ddp, 3, workers=workers, progress=False).result(timeout=180)
 
-            threads = [threading.Thread(target=go, args=("a", addrs[:2])),
-                       threading.Thread(target=go, args=("b", addrs[2:]))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(200)
-            assert set(results) == {"a", "b"}
-            for values in results.values():
-                assert (values[0][1] == values[1][1]).all()
+        threads = [threading.Thread(target=go, args=("a", addrs[:2])),
+                   threading.Thread(target=go, args=("b", addrs[2:]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(200)
+        assert set(results) == {"a", "b"}
+        for values in results.values():
+            assert (values[0][1] == values[1][1]).all()
 
 
 # ---- bad input: a clear error before anything starts ---------------------------------------------------------
@@ -281,6 +269,7 @@ def test_closed_client():
             dispatch.run(c, train_ddp, 1)
 
 
+@pytest.mark.slow
 def test_nccl_without_gpu_fails_at_once_naming_rank_and_worker(client):
     import torch
 

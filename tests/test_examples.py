@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from dask.distributed import Client, LocalCluster
 
 from _cluster import leftover_processes
 from test_cli import ROOT, run_cli, wait_none_marked  # noqa: F401 - shared subprocess helpers
@@ -26,13 +25,6 @@ def load_example(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
-        yield c
 
 
 def upload_images(s3, prefix: str, per_class: int = 12) -> str:

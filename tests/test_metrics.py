@@ -26,23 +26,15 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from dask.distributed import Client, LocalCluster  # noqa: E402
 
 import dask_ddp  # noqa: E402
 from dask_ddp import dispatch  # noqa: E402
 from dask_ddp.events import EventOrder, TopicFeed  # noqa: E402
 from dask_ddp.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
 
-from _cluster import leftover_processes  # noqa: E402
+from _cluster import leftover_processes, wait_until  # noqa: E402
 
 N_REPORTS = 10_000
-
-
-@pytest.fixture(scope="module")
-def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            yield c
 
 
 # ---- functions run on the ranks --------------------------------------------------------------------------
@@ -366,9 +358,7 @@ def test_subscription_backfills_what_was_logged_before_it(client):
     topic = f"dask-ddp-test-{uuid.uuid4().hex[:8]}"
     for seq in (0, 1):
         client.log_event(topic, _batch(seq))
-    deadline = time.monotonic() + 10
-    while len(client.get_events(topic)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(client.get_events(topic)) >= 2, 10, what="both events on the scheduler")
     feed, order = TopicFeed(client, topic), EventOrder()  # subscribing does not replay the past ...
     try:
         assert _drain(feed, order, 2, first=feed.backfill()) == [0, 1]  # ... the backfill does
@@ -418,9 +408,7 @@ def test_a_users_handler_on_the_all_topic_is_kept(client):
         def of_the_job():  # the scheduler's own events while the job ran, e.g. its port Variable's client
             return [m for m in seen if job.run_id in str(m)]
 
-        deadline = time.monotonic() + 10
-        while not of_the_job() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(of_the_job, 10, must=False)
         assert of_the_job(), f"the user's handler got nothing while the job ran: {seen}"
         assert client._event_handlers.get("all") is mine, "the user's handler must be put back"
     finally:

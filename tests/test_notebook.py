@@ -34,6 +34,7 @@ def _text(output) -> str:
     return data.get("text/plain", "") + data.get("text/html", "")
 
 
+@pytest.mark.slow
 def test_notebook_runs_end_to_end(kernel_name, tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,

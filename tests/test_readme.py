@@ -38,6 +38,7 @@ def test_readme_mentions_only_public_names():
         assert hasattr(dask_ddp.dispatch, name), f"README uses dask_ddp.dispatch.{name}, which does not exist"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_notebook_example_runs_as_written(tmp_path):
     (code,) = [b for b in blocks("python") if "dispatch.run(client, train" in b and "LocalCluster(" in b]

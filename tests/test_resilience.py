@@ -7,24 +7,10 @@ import signal
 import time
 
 import pytest
-from dask.distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp import dispatch
 
-from _cluster import leftover_processes
-
-
-@pytest.fixture(scope="module")
-def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            yield c
-
-
-def run(client, fn, *args, **kwargs):
-    kwargs.setdefault("progress", False)
-    return dispatch.run(client, fn, *args, **kwargs)
+from _cluster import leftover_processes, local_client, run, wait_until
 
 
 def _spin_in_collectives():
@@ -73,6 +59,7 @@ def test_sigkill_of_a_rank_process(client):
     assert leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_dask_worker(client):
     addr = sorted(client.scheduler_info(n_workers=-1)["workers"])
     job = run(client, kill_own_worker)
@@ -88,40 +75,38 @@ def test_sigkill_of_a_dask_worker(client):
     assert run(client, lambda: 1).result(timeout=120) == [1, 1]
 
 
+@pytest.mark.slow
 def test_frozen_machine_is_found_by_its_missing_heartbeats():
     """A machine that vanishes says nothing (no remove-worker for worker-ttl, 5 min): freezing a worker process and
     its rank with SIGSTOP is the same as seen from the scheduler. The job must fail within 10 s, naming the rank."""
     from _cluster import rank_process_pids
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            job = run(c, _report_then_spin)
-            deadline = time.time() + 120
-            while (job.metrics.empty or job.metrics["rank"].nunique() < 2) and time.time() < deadline:
-                time.sleep(0.1)
-            victim = job.plan.addresses[1]
-            worker_pid = c.run(os.getpid, workers=[victim])[victim]
-            [rank_pid] = rank_process_pids(c)[victim]["running"]
-            frozen = [worker_pid, rank_pid]
-            t0 = time.time()
+    with local_client(2) as c:
+        job = run(c, _report_then_spin)
+        wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
+                   what="a report from each rank")
+        victim = job.plan.addresses[1]
+        worker_pid = c.run(os.getpid, workers=[victim])[victim]
+        [rank_pid] = rank_process_pids(c)[victim]["running"]
+        frozen = [worker_pid, rank_pid]
+        t0 = time.time()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
+                job.result(timeout=60)
+            took = time.time() - t0
+        finally:
             for pid in frozen:
-                os.kill(pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
-                    job.result(timeout=60)
-                took = time.time() - t0
-            finally:
-                for pid in frozen:
-                    os.kill(pid, signal.SIGKILL)
-            print(f"frozen worker: job failed {took:.2f} s later")
-            assert took < 10, f"a frozen worker was found after {took:.1f} s"
-            assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
-            deadline = time.time() + 60  # the scheduler drops the killed worker, the Nanny starts a new one
-            while time.time() < deadline and (victim in (workers := c.scheduler_info(n_workers=-1)["workers"])
-                                              or len(workers) < 2):
-                time.sleep(0.2)
-            assert run(c, lambda: 1).result(timeout=120) == [1, 1]
-            assert leftover_processes(c) == []
+                os.kill(pid, signal.SIGKILL)
+        print(f"frozen worker: job failed {took:.2f} s later")
+        assert took < 10, f"a frozen worker was found after {took:.1f} s"
+        assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
+        # the scheduler drops the killed worker, the Nanny starts a new one
+        wait_until(lambda: victim not in (w := c.scheduler_info(n_workers=-1)["workers"]) and len(w) >= 2, 60,
+                   interval=0.2, what="the frozen worker's replacement")
+        assert run(c, lambda: 1).result(timeout=120) == [1, 1]
+        assert leftover_processes(c) == []
 
 
 def _report_then_spin():
@@ -129,11 +114,11 @@ def _report_then_spin():
     _spin_in_collectives()
 
 
+@pytest.mark.slow
 def test_closed_worker():
     """A worker closed gracefully (scale-down, drained node) does not come back: its own cluster."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            _closed_worker(c)
+    with local_client(2) as c:
+        _closed_worker(c)
 
 
 def _closed_worker(client):
@@ -145,9 +130,7 @@ def _closed_worker(client):
         _spin_in_collectives()
 
     job = run(client, close_rank1_worker)
-    deadline = time.time() + 60
-    while job.metrics.empty and time.time() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not job.metrics.empty, 60, what="the first report")
     victim = job.plan.addresses[1]
     t0 = time.time()
     client.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"), workers=[victim])
@@ -160,7 +143,7 @@ def _closed_worker(client):
     assert leftover_processes(client) == []
 
 
-@pytest.mark.parametrize("inside_collective", [False, True])
+@pytest.mark.parametrize("inside_collective", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_stall_dumps_every_rank_stack(client, inside_collective):
     client.wait_for_workers(2, timeout=60)
 
@@ -203,6 +186,7 @@ def test_stall_dumps_every_rank_stack(client, inside_collective):
     assert leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_slow_start_is_not_a_stall(client):
     def slow_start():
         with dask_ddp.rank_zero_first():
@@ -230,6 +214,7 @@ def _explode():
     raise RuntimeError("this argument cannot be rebuilt on the worker")
 
 
+@pytest.mark.slow
 def test_restart_after_a_killed_rank(client):
     client.wait_for_workers(2, timeout=60)
 
@@ -240,7 +225,6 @@ def test_restart_after_a_killed_rank(client):
         if ctx.restart_count == 0 and ctx.rank == 1:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
-        import torch
         import torch.distributed as dist
 
         dist.barrier()
@@ -294,6 +278,7 @@ def deterministic_training(epochs, kill_at=None):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.slow
 def test_killed_and_restarted_training_is_bitwise_equal(client, tmp_path):
     client.wait_for_workers(2, timeout=60)
     clean = run(client, deterministic_training, 4, checkpoint_dir=str(tmp_path / "a")).result(timeout=300)
@@ -307,38 +292,36 @@ def test_killed_and_restarted_training_is_bitwise_equal(client, tmp_path):
     assert leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_elastic_restart_on_the_workers_left():
     """workers=(2, 3): rank 2's worker is closed for good; the job restarts on the 2 workers left."""
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            def train():
-                import torch
-                import torch.distributed as dist
+    with local_client(3) as c:
+        def train():
+            import torch
+            import torch.distributed as dist
 
-                ctx = dask_ddp.get_context()
-                t = torch.ones(1)
-                dist.all_reduce(t)
-                dask_ddp.report(world=ctx.world_size)
-                if ctx.restart_count == 0:
-                    _spin_in_collectives()  # until rank 2's worker is closed
-                return ctx.world_size, ctx.restart_count, int(t.item())
+            ctx = dask_ddp.get_context()
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            dask_ddp.report(world=ctx.world_size)
+            if ctx.restart_count == 0:
+                _spin_in_collectives()  # until rank 2's worker is closed
+            return ctx.world_size, ctx.restart_count, int(t.item())
 
-            job = run(c, train, workers=(2, 3), max_restarts=1)
-            deadline = time.time() + 60
-            while len(job.metrics) < 3 and time.time() < deadline:
-                time.sleep(0.1)
-            assert job.plan.world_size == 3
-            victim = job.plan.addresses[2]
-            c.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"),
-                  workers=[victim])
-            assert job.result(timeout=120) == [(2, 1, 2), (2, 1, 2)]
-            assert victim not in job.plan.addresses
-            assert [s for _, _, s, _ in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
-            m = job.metrics
-            assert sorted(m[m["attempt"] == 0]["world"]) == [3, 3, 3] and sorted(m[m["attempt"] == 1]["world"]) == [2, 2]
-            with pytest.raises(dask_ddp.PlanError, match="needs at least 3 workers, the cluster has 2"):
-                run(c, train, workers=(3, None))
-            assert leftover_processes(c) == []
+        job = run(c, train, workers=(2, 3), max_restarts=1)
+        wait_until(lambda: len(job.metrics) >= 3, 60, what="a report from each of the 3 ranks")
+        assert job.plan.world_size == 3
+        victim = job.plan.addresses[2]
+        c.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"),
+              workers=[victim])
+        assert job.result(timeout=120) == [(2, 1, 2), (2, 1, 2)]
+        assert victim not in job.plan.addresses
+        assert [s for _, _, s, _ in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
+        m = job.metrics
+        assert sorted(m[m["attempt"] == 0]["world"]) == [3, 3, 3] and sorted(m[m["attempt"] == 1]["world"]) == [2, 2]
+        with pytest.raises(dask_ddp.PlanError, match="needs at least 3 workers, the cluster has 2"):
+            run(c, train, workers=(3, None))
+        assert leftover_processes(c) == []
 
 
 ORPHAN_MAKER = """
@@ -356,6 +339,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_rank_process_dies_with_its_worker_process():
     """A rank process (spare or running) whose Dask worker process is gone kills itself within a second or so."""
     import subprocess
