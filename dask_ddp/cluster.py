@@ -12,13 +12,13 @@ import logging
 import threading
 
 import cloudpickle
-from distributed import Event, Variable
+from distributed import Event
 
 from . import plugin
 from .errors import RankFailedError
 from .events import TopicFeed, WorkerWatch
 from .outcome import RankOutcome, Status
-from .supervisor import supervise
+from .supervisor import forget_attempt, supervise
 from .task import RankTask
 
 __all__ = ["DaskCluster"]
@@ -77,12 +77,7 @@ class DaskCluster:
 
     def cleanup(self, task: RankTask) -> None:
         """Remove the attempt's abort flag and rendezvous port from the scheduler."""
-        try:
-            Event(task.abort_event, client=self.client).clear()
-            Variable(task.port_variable, client=self.client).delete()
-            Event(task.port_variable + "-ready", client=self.client).clear()
-        except Exception:  # noqa: BLE001 - the client may be closing; the scheduler's state goes with it
-            pass
+        forget_attempt(task, self.client)
 
     # ---- the cluster ---------------------------------------------------------------------------------------
     def workers(self) -> dict[str, dict]:

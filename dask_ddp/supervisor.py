@@ -31,9 +31,12 @@ from .plugin import RankHost
 from .process import RankProcess
 from .task import RankTask
 
-__all__ = ["supervise", "Supervisor"]
+__all__ = ["supervise", "Supervisor", "forget_attempt"]
 
 STOPPED = "stopped because another rank failed or the job was cancelled"
+ORPHANED = ("stopped because the job's client went away (closed, disconnected or died): a job lives as long as "
+            "the client that started it; run(..., detach=True) keeps it running without one")
+_UNWANTED = {"cancelled", "released", "forgotten"}  # a task nobody wants any more (its client released it)
 
 
 class Supervisor:
@@ -44,6 +47,7 @@ class Supervisor:
         self.rank = task.rank.rank
         self.worker = worker
         self.address = worker.address
+        self.key = worker.get_current_task()
         self.host = RankHost.of(worker)
         self.abort = Event(task.abort_event)
         self.relay = Relay(worker, task.topic, self.rank, task.attempt, task.attempt_id, task.flush_interval)
@@ -80,6 +84,8 @@ class Supervisor:
         outcome.last_seq = self.relay.seq
         if outcome.status in (Status.ERROR, Status.DIED):
             self._set_abort()
+        if self._stop_reason == ORPHANED and self.rank == 0:
+            forget_attempt(self.task)  # no client is left to do it
         return outcome
 
     def stop(self, reason: str) -> None:
@@ -186,10 +192,23 @@ class Supervisor:
         if now - self._last_abort_check < self.task.poll_interval:
             return False
         self._last_abort_check = now
+        if self._orphaned():
+            self._stop_reason = ORPHANED
+            self._set_abort()
+            return True
         try:
             return bool(self.abort.is_set())
         except Exception:  # noqa: BLE001 - scheduler unreachable: treat as abort, a lone rank cannot finish a job
             return True
+
+    def _orphaned(self) -> bool:
+        """Whether nobody wants this task any more: its client released it (closed, disconnected or died).
+
+        A local read of the worker's own state: the scheduler cancels the task on the worker (within
+        milliseconds of the client's connection closing) but cannot stop a running task; this does.
+        """
+        ts = self.worker.state.tasks.get(self.key) if self.key is not None else None
+        return ts is None or ts.state in _UNWANTED
 
     def _set_abort(self) -> None:
         try:
@@ -223,6 +242,16 @@ class Supervisor:
         if self._stacks_ready.wait(timeout):
             return self._stacks[-1]
         return f"(no answer within {timeout} s: the rank holds the GIL or is stopped)"
+
+
+def forget_attempt(task: RankTask, client=None) -> None:
+    """Remove an attempt's abort flag and rendezvous port from the scheduler (best effort)."""
+    try:
+        Event(task.abort_event, client=client).clear()  # a cleared Event nobody waits on is deleted
+        Variable(task.port_variable, client=client).delete()
+        Event(task.port_variable + "-ready", client=client).clear()
+    except Exception:  # noqa: BLE001 - the scheduler may be gone; its state went with it
+        pass
 
 
 def supervise(task: RankTask) -> RankOutcome:
