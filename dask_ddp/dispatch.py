@@ -11,10 +11,15 @@ known. The result is a frozen :class:`~dask_ddp.spec.LaunchSpec`; the
 
 from __future__ import annotations
 
+import inspect
+import math
 import numbers
 import os
+import re
 import sys
 import sysconfig
+import uuid
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import cloudpickle
@@ -30,6 +35,8 @@ from .spec import LaunchSpec
 __all__ = ["run", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
+HOOKS = ("on_start", "on_metrics", "on_log", "on_failure", "on_restart", "on_finish")
+MAX_NAME = 100
 
 def _local_module(fn: Callable):
     """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
@@ -82,8 +89,8 @@ def _dumps(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
 def _number(name: str, value, *, minimum: float = 0, allow_none: bool = False):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < minimum:
-        raise PlanError(f"{name}={value!r}: expected a number >= {minimum}" + (" or None" if allow_none else ""))
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < minimum:
+        raise PlanError(f"{name}={value!r}: expected a finite number >= {minimum}" + (" or None" if allow_none else ""))
     return value
 
 
@@ -124,7 +131,8 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     master_addr : str
         Host of the rendezvous store; default rank 0's host as the scheduler sees it.
     name : str
-        Run id prefix (default ``<fn name>-<random>``).
+        The job's name (default the function's); the run id is the name, made safe for keys and paths,
+        then 8 random hex digits, so two jobs of one name never share anything.
     callbacks : sequence
         Plain callables receive every event (metric and log dicts); objects may
         define ``on_start(job)``, ``on_metrics(event)``, ``on_log(event)``,
@@ -149,7 +157,8 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     Raises
     ------
     TypeError
-        ``fn`` is not callable.
+        ``fn`` is not callable, is a generator or async function; a callback is neither a callable nor
+        an object with callback methods; ``checkpoint_dir`` is not a path or URL.
     SerializationError
         ``fn`` or an argument cannot be pickled (names which).
     PlanError
@@ -204,11 +213,63 @@ def _check_client(client) -> None:
                                 "create a new Client(...) for the cluster")
 
 
+def _check_function(fn) -> None:
+    if not callable(fn):
+        raise TypeError(f"run(client, fn, ...) needs a callable fn, got {type(fn).__name__}: {fn!r}")
+    call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) or not hasattr(fn, "__call__") else fn.__call__
+    for target in (fn, call):
+        if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+            raise TypeError(f"run(client, fn, ...): {getattr(fn, '__qualname__', fn)!r} is an async function; a rank "
+                            "runs a plain function. Wrap it: def train(): return asyncio.run(main())")
+        if inspect.isgeneratorfunction(target):
+            raise TypeError(f"run(client, fn, ...): {getattr(fn, '__qualname__', fn)!r} is a generator function: its "
+                            "body would never run. Return the result instead of yielding it (report progress "
+                            "with dask_ddp.report)")
+
+
+def _check_callbacks(callbacks) -> tuple:
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks= takes a list of callables or callback objects, got {type(callbacks).__name__}")
+    for i, cb in enumerate(callbacks):
+        if not (callable(cb) or any(callable(getattr(cb, h, None)) for h in HOOKS)):
+            raise TypeError(f"callbacks[{i}] is {cb!r} ({type(cb).__name__}): a callback is a callable, or an object "
+                            f"with one or more of the methods {', '.join(HOOKS)}")
+    return tuple(callbacks)
+
+
+def _check_checkpoint(checkpoint_dir, checkpoint_options) -> tuple[str | None, dict]:
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_dir={checkpoint_dir!r}: expected a path or fsspec URL (str), "
+                            f"got {type(checkpoint_dir).__name__}")
+        checkpoint_dir = os.fspath(checkpoint_dir)
+        if not isinstance(checkpoint_dir, str) or not checkpoint_dir.strip():
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r}: give a folder path or an fsspec URL "
+                             "(s3://bucket/prefix, /shared/ckpt)")
+    if checkpoint_options is not None and not isinstance(checkpoint_options, Mapping):
+        raise TypeError(f"checkpoint_options= takes a dict of fsspec storage options, got "
+                        f"{type(checkpoint_options).__name__}")
+    return checkpoint_dir, dict(checkpoint_options or {})
+
+
+def _run_id(name, fn_name: str) -> str:
+    """A run id unique even when ``name`` repeats: the name (or the function's), made safe, then 8 random hex."""
+    if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
+        raise PlanError(f"name={name!r}: expected a non-empty str of at most {MAX_NAME} characters")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name if name is not None else fn_name).strip("-.")[:64] or "job"
+    return f"{slug}-{uuid.uuid4().hex[:8]}"
+
+
 def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
                stall_timeout, max_restarts, checkpoint_dir, timeout, checkpoint_options=None) -> LaunchSpec:
     _check_client(client)
-    if not callable(fn):
-        raise TypeError(f"run(client, fn, ...) needs a callable fn, got {type(fn).__name__}: {fn!r}")
+    _check_function(fn)
+    fn_name = getattr(fn, "__name__", "fn").strip("<>") or "fn"
+    run_id = _run_id(name, fn_name)
+    callbacks = _check_callbacks(callbacks)
+    checkpoint_dir, checkpoint_options = _check_checkpoint(checkpoint_dir, checkpoint_options)
+    if master_addr is not None and (not isinstance(master_addr, str) or not master_addr.strip()):
+        raise PlanError(f"master_addr={master_addr!r}: expected a host name or address (str), or None for rank 0's")
     cfg = dask.config.get("ddp")
     backend = cfg["backend"] if backend is None else backend
     if backend not in BACKENDS:
@@ -221,7 +282,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
     info = client.scheduler_info(n_workers=-1)  # not the default of 5 (distributed 2025.4 - 2026.6)
     plan = planning.make_plan(planning.workers_from_scheduler_info(info), workers, master_addr)
     return LaunchSpec(
-        call=call, fn_name=getattr(fn, "__name__", "fn").strip("<>") or "fn", first_plan=plan, workers=workers,
+        call=call, fn_name=fn_name, run_id=run_id, first_plan=plan, workers=workers,
         backend=backend, master_addr=master_addr, name=name,
         timeout=_number("timeout", cfg["timeout"] if timeout is None else timeout, minimum=1),
         rendezvous_timeout=cfg["rendezvous-timeout"], spawn_timeout=cfg["spawn-timeout"],
@@ -230,4 +291,4 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
                               minimum=0.1, allow_none=True),
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
-        echo_logs=cfg["echo-logs"], callbacks=tuple(callbacks), checkpoint_options=dict(checkpoint_options or {}))
+        echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options)

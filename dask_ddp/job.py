@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from typing import Iterator
 
 import pandas as pd
@@ -50,7 +49,8 @@ class Job:
 
     def __init__(self, client, spec: LaunchSpec):
         self.client, self.spec = client, spec
-        self.run_id = spec.name or f"{spec.fn_name}-{uuid.uuid4().hex[:8]}"
+        self.run_id = spec.run_id
+        self.name = spec.name or spec.fn_name
         self.topic = topic_of(self.run_id)
         self._record = JobRecord(self.run_id)
         self._ctl = Controller(spec, self.run_id, DaskCluster(client, self.topic), self._record, owner=self)

@@ -21,6 +21,7 @@ class LaunchSpec:
 
     call: bytes = field(repr=False)  # cloudpickle of (fn, args, kwargs)
     fn_name: str
+    run_id: str  # unique per job: names its topic, tasks, store keys, Dask objects and checkpoint folder
     first_plan: RankPlan
     workers: Any = None  # the selection as given: None, n, [addresses/names] or (min, max)
     backend: str = "auto"

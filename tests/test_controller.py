@@ -131,7 +131,7 @@ def make(n_workers=2, workers=None, **spec_kw):
     plan = make_plan(workers_from_scheduler_info({"workers": cluster.scheduler_workers}), workers)
     spec_kw.setdefault("echo_logs", False)
     spec_kw.setdefault("worker_timeout", None)
-    spec = LaunchSpec(call=b"", fn_name="train", first_plan=plan, workers=workers, **spec_kw)
+    spec = LaunchSpec(call=b"", fn_name="train", run_id="job-1", first_plan=plan, workers=workers, **spec_kw)
     record = JobRecord("job-1")
     ctl = Controller(spec, "job-1", cluster, record, owner="JOB", clock=clock)
     ctl.start()

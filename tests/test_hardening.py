@@ -65,3 +65,94 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
     assert took < 10, f"the ranks outlived their client by {took:.1f} s"
     assert leftover_processes(client) == []
     assert run(client, lambda: "next").result(timeout=120) == ["next", "next"]  # the workers are free
+
+
+# ---- bad input, refused before anything starts ---------------------------------------------------------------
+
+def _gen():
+    yield 1
+
+
+async def _coro():
+    return 1
+
+
+async def _agen():
+    yield 1
+
+
+class _AsyncCall:
+    async def __call__(self):
+        return 1
+
+
+BAD_INPUT = [
+    (dict(fn=_gen), TypeError, "is a generator function"),
+    (dict(fn=_coro), TypeError, "is an async function"),
+    (dict(fn=_agen), TypeError, "is an async function"),
+    (dict(fn=_AsyncCall()), TypeError, "is an async function"),
+    (dict(fn=42), TypeError, "needs a callable fn"),
+    (dict(callbacks=[42]), TypeError, r"callbacks\[0\] is 42"),
+    (dict(callbacks="on_metrics"), TypeError, "takes a list"),
+    (dict(callbacks=[print, object()]), TypeError, r"callbacks\[1\]"),
+    (dict(checkpoint_dir=123), TypeError, "checkpoint_dir=123: expected a path or fsspec URL"),
+    (dict(checkpoint_dir="  "), ValueError, "give a folder path"),
+    (dict(checkpoint_options="key=x"), TypeError, "checkpoint_options= takes a dict"),
+    (dict(name=""), dask_ddp.PlanError, "name=''"),
+    (dict(name=123), dask_ddp.PlanError, "name=123"),
+    (dict(name="x" * 101), dask_ddp.PlanError, "at most 100 characters"),
+    (dict(master_addr=""), dask_ddp.PlanError, "master_addr=''"),
+    (dict(workers=0), dask_ddp.PlanError, "at least 1 worker"),
+    (dict(workers=(3, 1)), dask_ddp.PlanError, "elastic bounds"),
+    (dict(max_restarts=1.5), dask_ddp.PlanError, "max_restarts=1.5"),
+    (dict(stall_timeout=-1), dask_ddp.PlanError, "stall_timeout=-1"),
+    (dict(timeout=float("nan")), dask_ddp.PlanError, "timeout=nan"),
+    (dict(total=0), dask_ddp.PlanError, "total=0"),
+]
+
+
+def _scheduler_tasks(dask_scheduler=None) -> int:
+    return len(dask_scheduler.tasks)
+
+
+@pytest.mark.parametrize("kwargs, error, match", BAD_INPUT, ids=[m for _, _, m in BAD_INPUT])
+def test_bad_input_gets_a_clear_error_before_anything_starts(client, kwargs, error, match):
+    kwargs = dict(kwargs)
+    fn = kwargs.pop("fn", lambda: 1)
+    before = client.run_on_scheduler(_scheduler_tasks)
+    with pytest.raises(error, match=match):
+        run(client, fn, **kwargs)
+    assert client.run_on_scheduler(_scheduler_tasks) == before, "nothing may be submitted for bad input"
+
+
+# ---- names ---------------------------------------------------------------------------------------------------
+
+def _report_and_return(tag):
+    dask_ddp.report(**{tag: 1.0})
+    return tag
+
+
+def test_two_jobs_with_the_same_name_at_once_each_run_their_own_function(client):
+    a_addr, b_addr = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a = run(client, _report_and_return, "A", name="same", workers=[a_addr])
+    b = run(client, _report_and_return, "B", name="same", workers=[b_addr])
+    assert a.run_id != b.run_id and a.run_id.startswith("same-") and b.run_id.startswith("same-")
+    assert (a.result(timeout=120), b.result(timeout=120)) == (["A"], ["B"])
+    assert list(a.metrics.columns[4:]) == ["A"] and list(b.metrics.columns[4:]) == ["B"]
+
+
+def test_a_reused_name_shows_only_its_own_metrics_and_logs(client):
+    first = run(client, _report_and_return, "first", name="again")
+    assert first.result(timeout=120) == ["first", "first"]
+    second = run(client, _report_and_return, "second", name="again")
+    assert second.result(timeout=120) == ["second", "second"]
+    assert list(second.metrics.columns[4:]) == ["second"] and len(second.metrics) == 2
+
+
+@pytest.mark.parametrize("name", ["a/b c", "ü-名前", "../../etc", "x" * 100, "-", "..."])
+def test_odd_names_make_safe_run_ids(client, name):
+    job = run(client, lambda: 1, name=name)
+    assert job.result(timeout=120) == [1, 1] and job.name == name
+    assert job.run_id.rsplit("-", 1)[0].replace("-", "").replace(".", "").replace("_", "").isalnum() or \
+        job.run_id.startswith("job-")
+    assert "/" not in job.run_id and " " not in job.run_id and len(job.run_id) <= 73
