@@ -29,12 +29,36 @@ import weakref
 from typing import Callable
 
 import dask
+import msgpack
 
-from .reporting import TICK
+from .reporting import INT_MAX, INT_MIN, TICK, clip_line, safe_text
 
 __all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
 
-MAX_LINE = 10_000  # characters of one output line kept; longer lines are cut with a marker
+
+
+def wire_safe(msg) -> bool:
+    """Whether ``msg`` encodes as Dask's batched stream does (msgpack): Dask's own check lets more through."""
+    try:
+        msgpack.packb(msg, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):  # UnicodeEncodeError is a ValueError
+        return False
+    return True
+
+
+def escaped(value):
+    """``value`` made wire-safe: text escaped, integers out of msgpack's range as floats, other objects as text."""
+    if isinstance(value, dict):
+        return {safe_text(str(k)): escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [escaped(v) for v in value]
+    if type(value) is str:
+        return safe_text(value)
+    if type(value) is int:
+        return value if INT_MIN <= value <= INT_MAX else float(value)
+    if value is None or type(value) in (bool, float, bytes):
+        return value
+    return safe_text(repr(value))
 
 
 def _size(item: dict) -> int:
@@ -57,10 +81,8 @@ class Relay:
         self._published = float("-inf")
 
     def log(self, stream: str, line: str) -> None:
-        if len(line) > MAX_LINE:
-            line = line[:MAX_LINE] + f" ... [{len(line) - MAX_LINE} characters cut]"
         self.extend([{"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
-                      "stream": stream, "line": line}])
+                      "stream": stream, "line": clip_line(line)}])
 
     def extend(self, items: list[dict], now: bool = False) -> None:
         """Queue ``items``; ``now``: publish them (and the lines queued before) at once, as one batch."""
@@ -98,8 +120,10 @@ class Relay:
     def _publish(self, batch: list[dict]) -> None:
         self._published = time.monotonic()
         self.seq += 1
-        self.worker.log_event(self.topic, {"run": self.run_id, "rank": self.rank, "attempt": self.attempt,
-                                           "seq": self.seq, "items": batch})
+        msg = {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq, "items": batch}
+        if not wire_safe(msg):  # the last guard: a message msgpack refuses would cost the worker its scheduler
+            msg = escaped(msg)
+        self.worker.log_event(self.topic, msg)
 
     def stop(self) -> None:
         self._stop.set()

@@ -22,6 +22,8 @@ __all__ = ["RankProcess"]
 
 def _rank_environment() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # a print of text with lone surrogates (os.listdir of non-UTF-8 names) is shown escaped, not raised
+    env.setdefault("PYTHONIOENCODING", "utf-8:backslashreplace")
     # The Nanny sets MALLOC_TRIM_THRESHOLD_=65536 for the worker (distributed.nanny.pre-spawn-environ);
     # in a training process it makes glibc give memory back after every step: a few % slower per step.
     nanny = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}

@@ -24,10 +24,34 @@ from typing import Any, Callable
 from .context import get_context
 from .errors import NotInRankError
 
-__all__ = ["report", "RESERVED_KEYS"]
+__all__ = ["report", "RESERVED_KEYS", "safe_text", "clip_line"]
 
 #: Keys every event carries; a metric may not use them.
 RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
+
+# What Dask's wire (msgpack) can carry: ints in [INT_MIN, INT_MAX], str that encodes as UTF-8. Dask's
+# log_event checks neither; a value outside breaks the worker's batched stream and the scheduler drops the
+# worker. So nothing leaves a rank unchecked: numbers are refused at report(), text is escaped.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+MAX_LINE = 10_000  # characters of one output line or log record kept; longer ones are cut with a marker
+
+
+def safe_text(text: str) -> str:
+    """``text`` as valid UTF-8: lone surrogates (``os.listdir``'s non-UTF-8 names) become ``\\udcXX`` escapes."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def clip_line(line: str) -> str:
+    """One output line or log record, escaped and cut to ``MAX_LINE`` characters with a marker."""
+    if len(line) > MAX_LINE:
+        line = line[:MAX_LINE] + f" ... [{len(line) - MAX_LINE} characters cut]"
+    return safe_text(line)
 
 _PLAIN = (bool, int, float)
 _BUFFER: "EventBuffer | None" = None  # set by the rank process
@@ -52,10 +76,19 @@ def _plain(key: str, value: Any) -> float | int | bool:
         value = int(value)
     elif isinstance(value, numbers.Real):
         value = float(value)
+    if type(value) is int:
+        return _in_range(key, value)
     if type(value) in _PLAIN:
         return value
     raise TypeError(f"report({key}=...): a metric must be a number (Python, NumPy scalar or one-element tensor); "
                     f"got {type(value).__name__}. Log text with print() or logging instead.")
+
+
+def _in_range(key: str, value: int) -> int:
+    if INT_MIN <= value <= INT_MAX:
+        return value
+    raise ValueError(f"report({key}={value}): an integer metric must lie in [-2**63, 2**64 - 1] to travel to "
+                     f"the client; report float({key}) instead, or a smaller unit")
 
 
 class EventBuffer:
@@ -108,7 +141,8 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     TypeError
         When a key is not a string or a value is not a number (names the key).
     ValueError
-        When a key is one of the reserved names (``rank``, ``step``, ``time``, ...).
+        When a key is one of the reserved names (``rank``, ``step``, ``time``, ...), or an integer lies
+        outside [-2**63, 2**64 - 1], what the wire to the client can carry (names the key).
     """
     buf = _BUFFER
     if buf is None:
@@ -122,15 +156,23 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
             if not isinstance(key, str):
                 raise TypeError(f"report(): metric names must be strings, got {key!r} ({type(key).__name__})")
         values = {**metrics, **values}
+        if not all(key.isascii() for key in values):  # a name with lone surrogates cannot travel: escape it
+            values = {safe_text(key): value for key, value in values.items()}
     if not RESERVED_KEYS.isdisjoint(values):
         key = sorted(RESERVED_KEYS.intersection(values))[0]
         raise ValueError(f"report(): {key!r} is a reserved name ({', '.join(sorted(RESERVED_KEYS))}); "
                          "rename the metric")
     for key, value in values.items():
-        if type(value) is not float and type(value) is not int:  # noqa: E721 - the common case, fast
-            values[key] = _plain(key, value)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
-        raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
+        if type(value) is not float:  # the common case, fast
+            if type(value) is int:
+                if not INT_MIN <= value <= INT_MAX:
+                    _in_range(key, value)
+            else:
+                values[key] = _plain(key, value)
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
+        _in_range("step", int(step))
     buf.items.append({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt,
                       "step": buf.next_step(None if step is None else int(step)), "time": time.time(), **values})
 
@@ -160,7 +202,8 @@ class _LogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.buf.add({"kind": "log", "rank": self.buf.rank, "attempt": self.buf.attempt, "time": record.created,
-                          "stream": "logging", "level": record.levelname, "line": self.format(record)})
+                          "stream": "logging", "level": safe_text(str(record.levelname)),
+                          "line": clip_line(self.format(record))})
         except Exception:  # a broken log record must never break training
             self.handleError(record)
 
