@@ -108,5 +108,9 @@ class DaskCluster:
         return self.feed.backfill()
 
     def close(self) -> None:
+        """Stop watching the cluster and drop the job's topic (idempotent)."""
+        if self._token is None:
+            return
         self._watch.remove(self._token)
+        self._token = None
         self.feed.close()

@@ -292,4 +292,5 @@ class Controller:
         if error is not None:
             self.callbacks("on_failure", self.owner, error)
         self.callbacks("on_finish", self.owner)  # before waking result(): a sink's file is complete when it returns
+        self.cluster.close()  # before waking result() too: the job's topic and handlers are gone when it returns
         self.record.settle()

@@ -218,11 +218,32 @@ class TopicFeed:
         """What the scheduler holds for the topic (``get_events``)."""
         return [msg for _, msg in self.client.get_events(self.topic)]
 
-    def close(self) -> None:
-        try:
-            self.client.unsubscribe_topic(self.topic)
-        except Exception:  # noqa: BLE001 - the client may be closed already
-            pass
+    def close(self, drop: bool = True) -> None:
+        """Stop listening; with ``drop``, remove the topic and what it holds from the scheduler too.
+
+        Dask has no API for either: ``unsubscribe_topic`` leaves the handler in the client and the
+        topic (up to ``distributed.admin.low-level-log-length`` events) on the scheduler for good, so
+        every job would leave both behind. The scheduler's topic goes with its subscriptions.
+        """
+        handlers = getattr(self.client, "_event_handlers", None)  # private (distributed 2026.7): guarded
+        if drop:
+            try:
+                self.client.run_on_scheduler(_drop_topic, self.topic)
+            except Exception:  # noqa: BLE001 - the client or scheduler is gone: so is the topic, or it stays
+                drop = False
+        if not drop:
+            try:
+                self.client.unsubscribe_topic(self.topic)
+            except Exception:  # noqa: BLE001 - the client may be closed already
+                pass
+        if isinstance(handlers, dict):
+            handlers.pop(self.topic, None)
+
+
+def _drop_topic(topic: str, dask_scheduler=None) -> bool:
+    """On the scheduler: forget ``topic``, its events and its subscribers (``Broker._topics``, private)."""
+    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)
+    return topics is not None and topics.pop(topic, None) is not None
 
 
 class WorkerWatch:

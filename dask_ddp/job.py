@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Iterator
 
+import dask
 import pandas as pd
 
 from .cluster import DaskCluster
@@ -52,7 +53,8 @@ class Job:
         self.run_id = spec.run_id
         self.name = spec.name or spec.fn_name
         self.topic = topic_of(self.run_id)
-        self._record = JobRecord(self.run_id)
+        events = dask.config.get("ddp.events")
+        self._record = JobRecord(self.run_id, events["max-rows"], events["max-lines"])
         self._ctl = Controller(spec, self.run_id, DaskCluster(client, self.topic), self._record, owner=self)
         self._thread = threading.Thread(target=self._ctl.run, name=f"dask-ddp-job-{self.run_id}", daemon=True)
 
@@ -144,7 +146,10 @@ class Job:
     # ---- what the ranks sent -------------------------------------------------------------------------------
     @property
     def metrics(self) -> pd.DataFrame:
-        """A pandas DataFrame of every report so far: rank, attempt, step, time, then the reported keys."""
+        """A pandas DataFrame of the reports so far: rank, attempt, step, time, then the reported keys.
+
+        The latest ``ddp.events.max-rows`` (100,000) reports; a sink keeps the whole history.
+        """
         with self._record.cond:
             rows = list(self._record.metric_rows)
         df = pd.DataFrame(rows, columns=None if rows else LEAD)
@@ -152,31 +157,34 @@ class Job:
 
     @property
     def logs(self) -> list[str]:
-        """Every output line and log record of the ranks so far, as ``[rank N] line``.
+        """The ranks' output lines and log records so far, as ``[rank N] line`` (the latest ``ddp.events.max-lines``).
 
         Lines of a later attempt read ``[rank N, attempt K] line`` (K from 1, as in :attr:`history`).
         """
         with self._record.cond:
-            return [format_log(e) for e in self._record.events if e["kind"] == "log"]
+            return [format_log(e) for e in self._record.log_items]
 
     @property
     def events(self) -> list[dict]:
-        """Every event so far (metrics and logs), in arrival order."""
+        """The events so far (metrics and logs, as many as ``metrics`` and ``logs`` hold), in arrival order."""
         with self._record.cond:
             return list(self._record.events)
 
     def stream(self, timeout: float | None = None) -> Iterator[dict]:
-        """Iterate over events as they arrive, from the first, until the job ends and all are seen."""
-        i, deadline = 0, None if timeout is None else time.monotonic() + timeout
-        cond, events = self._record.cond, self._record.events
+        """Iterate over events as they arrive, from the first held, until the job ends and all are seen.
+
+        A reader slower than the ranks by more than the events held skips the ones dropped meanwhile.
+        """
+        n, deadline = 0, None if timeout is None else time.monotonic() + timeout
+        record = self._record
         while True:
-            with cond:
-                while i >= len(events) and not self.done():
+            with record.cond:
+                while n >= record.n_events and not self.done():
                     if deadline is not None and time.monotonic() > deadline:
                         return
-                    cond.wait(0.2)
-                batch, finished = events[i:], self.done()
-            i += len(batch)
+                    record.cond.wait(0.2)
+                finished = self.done()
+            batch, n = record.events_since(n)
             yield from batch
             if finished and not batch:
                 return

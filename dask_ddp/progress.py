@@ -23,15 +23,14 @@ class Progress:
         self._seen = 0
 
     def update(self) -> None:
-        rows = self.job._record.metric_rows
-        if len(rows) == self._seen:
-            return
-        self._seen = len(rows)
-        latest = rows[-1]
-        top = max(r["step"] for r in rows[-1000:]) + 1
+        record = self.job._record
+        with record.cond:
+            if record.n_metrics == self._seen:
+                return
+            self._seen, top, latest = record.n_metrics, record.top_step + 1, dict(record.latest)
         if top > self.bar.n:
             self.bar.update(top - self.bar.n)
-        last0 = next((r for r in reversed(rows[-200:]) if r["rank"] == 0), latest)
+        last0 = latest.get(0) or latest[max(latest)]
         post = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in last0.items()
                 if k not in ("kind", "rank", "attempt", "time", "step")}
         self.bar.set_postfix(post, refresh=False)

@@ -7,9 +7,11 @@ user's thread). One condition variable guards it and wakes the readers.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import deque
 
 __all__ = ["JobRecord", "format_log", "STATES"]
 
@@ -27,18 +29,29 @@ def format_log(item: dict) -> str:
 
 
 class JobRecord:
-    """A job's state, history, events and outcome; thread-safe (``cond`` guards everything)."""
+    """A job's state, history, events and outcome; thread-safe (``cond`` guards everything).
 
-    def __init__(self, run_id: str):
+    Bounded: it holds the latest ``max_rows`` reports and ``max_lines`` log records (``ddp.events.max-rows``
+    and ``ddp.events.max-lines``); a sink (``JSONLinesSink``) keeps the whole history. ``n_events`` counts
+    every event ever added, so a reader can tell where it is even after the oldest were dropped.
+    """
+
+    def __init__(self, run_id: str, max_rows: int = 100_000, max_lines: int = 10_000):
         self.run_id = run_id
         self.cond = threading.Condition()
         self.state = "PENDING"
         self.history: list[tuple[float, str, str, str]] = []  # (time, old, new, cause)
-        self.events: list[dict] = []  # metrics and log records, in arrival order
-        self.metric_rows: list[dict] = []
+        self.events: deque[dict] = deque(maxlen=max_rows + max_lines)  # metrics and log records, in order
+        self.metric_rows: deque[dict] = deque(maxlen=max_rows)
+        self.log_items: deque[dict] = deque(maxlen=max_lines)
+        self.n_events = 0  # events ever added (the first of ``events`` is number n_events - len(events))
+        self.n_metrics = 0
+        self.top_step = -1  # the highest step any rank reported
+        self.latest = {}  # rank -> its latest report
         self.error: BaseException | None = None
         self.values: list | None = None
         self.settled = False  # True once the end state is set and on_finish callbacks have run
+        self._warned = False
 
     def add(self, items: list[dict]) -> None:
         """Keep a delivered batch's items and wake the readers (once per batch: they redraw on each wake)."""
@@ -47,7 +60,25 @@ class JobRecord:
                 self.events.append(item)
                 if item.get("kind") == "metric":
                     self.metric_rows.append(item)
+                    self.n_metrics += 1
+                    self.latest[item["rank"]] = item
+                    self.top_step = max(self.top_step, item["step"])
+                elif item.get("kind") == "log":
+                    self.log_items.append(item)
+            self.n_events += len(items)
             self.cond.notify_all()
+        if not self._warned and self.n_metrics > self.metric_rows.maxlen:
+            self._warned = True
+            logger.warning("job %s: more than %d reports; job.metrics keeps the latest %d (ddp.events.max-rows): "
+                           "attach a sink (dask_ddp.JSONLinesSink) for the whole history", self.run_id,
+                           self.metric_rows.maxlen, self.metric_rows.maxlen)
+
+    def events_since(self, n: int) -> tuple[list[dict], int]:
+        """Events from number ``n`` on (those dropped meanwhile are skipped) and the number after the last."""
+        with self.cond:
+            first = self.n_events - len(self.events)
+            start = max(n, first) - first
+            return list(itertools.islice(self.events, start, None)), self.n_events
 
     def transition(self, new: str, cause: str) -> None:
         """Move to state ``new``, keep it in ``history`` and log it with its cause."""

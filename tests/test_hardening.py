@@ -156,3 +156,77 @@ def test_odd_names_make_safe_run_ids(client, name):
     assert job.run_id.rsplit("-", 1)[0].replace("-", "").replace(".", "").replace("_", "").isalnum() or \
         job.run_id.startswith("job-")
     assert "/" not in job.run_id and " " not in job.run_id and len(job.run_id) <= 73
+
+
+# ---- bounded memory ------------------------------------------------------------------------------------------
+
+def _scheduler_footprint(dask_scheduler=None) -> dict:
+    import gc
+
+    import psutil
+
+    gc.collect()
+    return {"rss": psutil.Process().memory_info().rss, "topics": len(dask_scheduler._broker._topics),
+            "variables": len(dask_scheduler.extensions["variables"].variables),
+            "events": len(dask_scheduler.extensions["events"]._events)}
+
+
+def _client_rss() -> int:
+    import gc
+
+    import psutil
+
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def _chatty(n):
+    for i in range(n):
+        dask_ddp.report(loss=1.0 / (i + 1))
+    print("done", flush=True)
+    return n
+
+
+@pytest.mark.slow
+def test_a_hundred_jobs_leave_scheduler_and_client_flat(client):
+    for _ in range(3):  # warm: imports, the plugin, first allocations
+        assert run(client, _chatty, 50).result(timeout=120) == [50, 50]
+    before, rss_before = client.run_on_scheduler(_scheduler_footprint), _client_rss()
+    handlers_before = len(client._event_handlers)
+    for _ in range(100):
+        assert run(client, _chatty, 50).result(timeout=120) == [50, 50]
+    after, rss_after = client.run_on_scheduler(_scheduler_footprint), _client_rss()
+    grew = {k: after[k] - before[k] for k in before}
+    print(f"100 jobs: scheduler RSS {grew['rss'] / 2**20:+.1f} MiB, client RSS {(rss_after - rss_before) / 2**20:+.1f} "
+          f"MiB, topics {grew['topics']:+d}, variables {grew['variables']:+d}, events {grew['events']:+d}, "
+          f"client handlers {len(client._event_handlers) - handlers_before:+d}")
+    assert grew["topics"] == 0 and grew["variables"] == 0 and grew["events"] == 0
+    assert len(client._event_handlers) == handlers_before
+    assert grew["rss"] < 50 * 2**20 and rss_after - rss_before < 50 * 2**20
+
+
+@pytest.mark.slow
+def test_a_million_reports_keep_the_client_bounded_and_metrics_fast(client):
+    """Live memory is measured with tracemalloc: this process also hosts the LocalCluster's scheduler, whose
+    topic holds up to 1,000 batches while the job runs (dropped at its end), so its RSS says little."""
+    import tracemalloc
+
+    import dask
+
+    tracemalloc.start()
+    try:
+        with dask.config.set({"ddp.echo-logs": False}):
+            job = run(client, _chatty, 500_000)
+        assert job.result(timeout=600) == [500_000, 500_000]
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    t0 = time.perf_counter()
+    m = job.metrics
+    took = time.perf_counter() - t0
+    print(f"1M reports: {held / 2**20:.0f} MiB held after the job (peak {peak / 2**20:.0f} MiB, the scheduler's "
+          f"topic included), job.metrics {len(m)} rows in {took:.2f} s")
+    assert len(m) == 100_000 and (m["step"].groupby(m["rank"]).max() == 499_999).all()  # the latest are kept
+    assert held < 120 * 2**20, f"the client holds {held / 2**20:.0f} MiB"
+    assert took < 5
+    assert [line for line in job.logs if line.endswith("done")] == ["[rank 0] done", "[rank 1] done"]
