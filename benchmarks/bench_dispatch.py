@@ -163,14 +163,10 @@ def write_script(folder: str) -> str:
 # ---- helpers run on the Dask workers (client.run) -------------------------------------------------------------
 
 def _spare_state(dask_worker=None) -> str:
-    """'ready' when this worker's spare rank process has imported torch and waits for a job."""
+    """'ready' when this worker's zygote (or, with ddp.zygote false, its spare) has imported torch."""
     from dask_ddp.plugin import RankHost
 
-    spares = RankHost.of(dask_worker).spares
-    spare = spares._spare
-    if spare is None:
-        return "filling" if spares._filling else "none"
-    return "ready" if spare.conn.poll(0) else "starting"  # poll() peeks at the "ready" message, reads nothing
+    return "ready" if RankHost.of(dask_worker).launcher.wait_ready(0.05) else "starting"
 
 
 def wait_warm(client, minimum: float = 0.0, limit: float = 90.0) -> float:

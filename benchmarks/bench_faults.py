@@ -112,6 +112,14 @@ LAUNCHER_LABEL = {"dask-ddp": "dask-ddp", "torchrun": "torchrun", "dpd": "dask-p
 
 # ---- the training code, run identically by every launcher (imports inside: shipped by value / copied) ----------
 
+def _host_pid() -> int:
+    """The process hosting this rank: torchrun's agent, or dask-ddp's Dask worker (a forked rank's zygote's parent)."""
+    import psutil
+
+    parent = psutil.Process(os.getppid())
+    return parent.ppid() if any("dask_ddp.zygote" in part for part in parent.cmdline()) else parent.pid
+
+
 def train(steps=60, fault="none", fault_step=25, ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="",
           launcher="torchrun", seed=0):
     """``steps`` DDP SGD steps with checkpoints; rank 1 injects ``fault`` at ``fault_step`` on attempt 0."""
@@ -173,7 +181,7 @@ def train(steps=60, fault="none", fault_step=25, ckpt_every=10, step_s=0.03, log
             if fault == "sigkill-rank":
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "sigkill-worker":  # the process hosting this rank: the worker itself for dpd
-                os.kill(os.getpid() if launcher == "dpd" else os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid() if launcher == "dpd" else _host_pid(), signal.SIGKILL)
             while fault == "hang":
                 time.sleep(1)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 16 + rank)
@@ -378,13 +386,13 @@ class Cluster:
 
 
 def _worker_children(dask_worker=None):
-    """On a worker: pids of its child processes that are not its warm dask-ddp spare."""
+    """On a worker: pids of its child processes that are not its warm dask-ddp zygote or spare."""
     import psutil
 
     try:
         from dask_ddp.plugin import RankHost
 
-        spare = set(RankHost.of(dask_worker).spares.pids())
+        spare = set(RankHost.of(dask_worker).launcher.pids())
     except Exception:  # noqa: BLE001
         spare = set()
     out = []

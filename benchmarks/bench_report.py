@@ -159,8 +159,7 @@ def paced(rate, seconds):
 def _spare_ready(dask_worker=None) -> str:
     from dask_ddp.plugin import RankHost
 
-    spare = RankHost.of(dask_worker).spares._spare
-    return "ready" if spare is not None and spare.conn.poll(0) else "starting"
+    return "ready" if RankHost.of(dask_worker).launcher.wait_ready(0.05) else "starting"
 
 
 def wait_warm(client, limit=120.0):

@@ -3,12 +3,12 @@
 Runs in: the Dask worker (the plugin), and the client (:func:`register`,
 called by ``run`` and ``warm_up`` before anything is submitted).
 
-Each worker keeps at most one warm spare rank process (torch imported) for the
-next job, and an index of the rank supervisors running on it, for stack dumps
-and for tests. ``setup`` happens when the plugin reaches the worker (Dask
+Each worker keeps a warm process for the next job (a zygote that forks ranks,
+or a spare rank process; torch imported in either), and an index of the rank
+supervisors running on it, for stack dumps and for tests. ``setup`` happens when the plugin reaches the worker (Dask
 sends it to every worker, and to every worker that joins later);
 ``teardown`` when the worker closes: it stops the worker's ranks and its
-spare, so a closing worker never leaves a rank process behind.
+zygote, so a closing worker never leaves a rank process behind.
 
 The probes at the bottom run through ``client.run`` (they take the
 ``dask_worker`` argument Dask passes).
@@ -17,36 +17,74 @@ The probes at the bottom run through ``client.run`` (they take the
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import dask
 from distributed import WorkerPlugin
 from distributed.core import Status
 
-from .process import RankProcess
+from .process import RankProcess, Zygote
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
 
 __all__ = ["RankHost", "register", "rank_process_pids", "dump_stacks", "warm_spare"]
 
+logger = logging.getLogger("dask_ddp")
+
 NAME = "dask-ddp"
 _CLOSING = (Status.closing, Status.closed, Status.failed)
 
 
-class Spares:
-    """At most one warm, unused rank process per Dask worker process."""
+class Launcher:
+    """Hands out this worker's rank processes: forked from its warm zygote (``ddp.zygote``, the default), or
+    spawned fresh, with one warm spare kept for the next job (``ddp.warm-spare``)."""
 
     def __init__(self):
         self._lock = threading.Condition()
+        self._zygote: Zygote | None = None
         self._spare: RankProcess | None = None
         self._filling = False
         self._closed = False
 
-    def take(self) -> RankProcess:
-        """The warm spare if there is one (waiting for one being started), else a new rank process."""
+    @staticmethod
+    def forks() -> bool:
+        return bool(dask.config.get("ddp.zygote", True))
+
+    def take(self, stopped: Callable[[], bool] = lambda: False, timeout: float = 120.0):
+        """A rank process for a job, or None when ``stopped()`` turns true while a zygote warms up.
+
+        A zygote that fails or takes longer than ``timeout`` to warm up is replaced by a spawned rank process.
+        """
+        if not self.forks():
+            return self._take_spare()
+        zygote = self._ensure_zygote()
+        deadline = time.monotonic() + timeout
+        while not zygote.wait_ready(0.25):
+            if stopped():
+                return None
+            if not zygote.alive() or time.monotonic() > deadline:
+                logger.warning("dask-ddp: the zygote of this worker did not start; starting a rank process instead")
+                return RankProcess()
+        try:
+            return zygote.fork()
+        except OSError:
+            logger.warning("dask-ddp: the zygote of this worker did not fork; starting a rank process instead",
+                           exc_info=True)
+            return RankProcess()
+
+    def _ensure_zygote(self) -> Zygote:
+        with self._lock:
+            if self._zygote is None or not self._zygote.alive():
+                if self._zygote is not None:
+                    self._zygote.close()
+                self._zygote = Zygote()
+            return self._zygote
+
+    def _take_spare(self) -> RankProcess:
         with self._lock:
             self._lock.wait_for(lambda: not self._filling, timeout=10)
             spare, self._spare = self._spare, None
@@ -57,11 +95,17 @@ class Spares:
         return RankProcess()
 
     def refill(self, force: bool = False) -> None:
-        """Start a spare in the background for the next job (``ddp.warm-spare``, or ``force``)."""
+        """Warm up for the next job in the background: the zygote, or a spare (``ddp.warm-spare`` or ``force``)."""
+        if self._closed:
+            return
+        if self.forks():
+            if force or dask.config.get("ddp.warm-spare"):
+                self._ensure_zygote()
+            return
         if not (force or dask.config.get("ddp.warm-spare")):
             return
         with self._lock:
-            if self._spare is not None or self._filling or self._closed:
+            if self._spare is not None or self._filling:
                 return
             self._filling = True
         threading.Thread(target=self._fill, name="dask-ddp-spare", daemon=True).start()
@@ -79,7 +123,11 @@ class Spares:
             self._lock.notify_all()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until the spare has imported torch (its Ready is waiting to be read); True if it has."""
+        """Wait until the zygote (or spare) has imported torch; True if it has."""
+        if self.forks():
+            with self._lock:
+                zygote = self._zygote
+            return zygote is not None and zygote.wait_ready(timeout)
         deadline = time.monotonic() + timeout
         with self._lock:
             self._lock.wait_for(lambda: not self._filling, timeout=timeout)
@@ -97,21 +145,22 @@ class Spares:
         return False
 
     def pids(self) -> list[int]:
-        """The spare's pid, if there is one."""
+        """The pids of the processes this worker keeps warm: its zygote and (``ddp.zygote: false``) its spare."""
         with self._lock:
-            return [self._spare.pid] if self._spare is not None else []
+            return [p.pid for p in (self._zygote, self._spare) if p is not None and p.alive()]
 
     def close(self) -> None:
-        """Kill the spare and start no other."""
+        """Stop the zygote and the spare and start none again."""
         with self._lock:
             self._closed = True
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.kill()
+            zygote, spare, self._zygote, self._spare = self._zygote, self._spare, None, None
+        for proc in (zygote, spare):
+            if proc is not None:
+                proc.close() if isinstance(proc, Zygote) else proc.kill()
 
 
 class RankHost(WorkerPlugin):
-    """dask-ddp's state on one Dask worker: its warm spare and its running rank supervisors.
+    """dask-ddp's state on one Dask worker: its launcher (zygote or spare) and its running rank supervisors.
 
     Register it with :func:`register` (``run`` does); inside a task,
     :meth:`of` finds it. It pickles empty: the state is made in ``setup``.
@@ -122,13 +171,13 @@ class RankHost(WorkerPlugin):
 
     def setup(self, worker) -> None:
         self.worker = worker
-        self.spares = Spares()
+        self.launcher = Launcher()
         self.active: dict[tuple[str, int], Supervisor] = {}  # (attempt id, rank) -> supervisor
         self._lock = threading.Lock()
 
     def teardown(self, worker) -> None:
-        """Kill the spare; when the worker is closing, stop every running rank too (nothing outlives it)."""
-        self.spares.close()
+        """Stop the zygote or spare; when the worker is closing, stop every running rank too (nothing outlives it)."""
+        self.launcher.close()
         if getattr(worker, "status", None) in _CLOSING:
             for sup in self.running():
                 sup.stop("its Dask worker is closing")
@@ -171,14 +220,14 @@ def register(client) -> None:
 def rank_process_pids(dask_worker) -> dict:
     """Pids of this worker's rank processes: ``{"spare": [...], "running": [...]}`` (for tests and tools)."""
     host = RankHost.of(dask_worker)
-    return {"spare": host.spares.pids(), "running": [s.child.pid for s in host.running() if s.child]}
+    return {"spare": host.launcher.pids(), "running": [s.child.pid for s in host.running() if s.child]}
 
 
 async def warm_spare(timeout: float = 120.0, dask_worker=None) -> bool:
-    """Start this worker's spare rank process now and wait until torch is imported; run through ``client.run``."""
+    """Start this worker's zygote (or spare) now and wait until torch is imported; run through ``client.run``."""
     host = RankHost.of(dask_worker)
-    host.spares.refill(force=True)
-    return await asyncio.to_thread(host.spares.wait_ready, timeout)
+    host.launcher.refill(force=True)
+    return await asyncio.to_thread(host.launcher.wait_ready, timeout)
 
 
 async def dump_stacks(attempt_id: str, timeout: float = 5.0, dask_worker=None) -> dict:

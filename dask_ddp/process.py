@@ -1,8 +1,16 @@
-"""A rank process as its Dask worker sees it: start a warm child interpreter, talk to it, kill it.
+"""Rank processes as their Dask worker sees them: start one, talk to it, kill it.
 
-Runs in: the Dask worker. The child runs :mod:`dask_ddp.rank` (``python -m
-dask_ddp.rank FD``) in a process group of its own, so that killing the group
-also kills the DataLoader workers it started.
+Runs in: the Dask worker. Two ways to get a rank process, one interface
+(``pid``, ``conn``, ``stdout``, ``stderr``, :meth:`alive`, :meth:`send`,
+:meth:`wait`, :meth:`kill`):
+
+- :class:`ForkedRank`, forked by the worker's :class:`Zygote` (see
+  :mod:`dask_ddp.zygote`): tens of milliseconds once the zygote is warm;
+- :class:`RankProcess`, a fresh ``python -m dask_ddp.rank`` (``ddp.zygote:
+  false``, or when the zygote cannot start): seconds, for ``import torch``.
+
+Either runs in a process group of its own, so that killing the group also
+kills the DataLoader workers it started.
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 import dask
 
-__all__ = ["RankProcess"]
+__all__ = ["RankProcess", "Zygote", "ForkedRank"]
 
 
 def _rank_environment() -> dict[str, str]:
@@ -32,14 +41,39 @@ def _rank_environment() -> dict[str, str]:
     return env
 
 
-class RankProcess:
-    """A warm child interpreter (``python -m dask_ddp.rank``) with torch imported, in its own process group.
+class _Rank:
+    """What both kinds of rank process share: the socket to it and killing its process group."""
 
-    Messages (:mod:`dask_ddp.messages`) go both ways over a socket pair;
-    :meth:`send` may be called from several threads.
-    """
+    pid: int
+    conn: Connection
+    stdout: object
+    stderr: object
 
     def __init__(self):
+        self._send_lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        """Send one message to the rank (thread-safe); raises OSError once the socket is closed."""
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def kill(self) -> None:
+        """SIGKILL the rank's whole process group (DataLoader workers included) and wait for it to end."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.wait(10)
+        self.conn.close()
+        for stream in (self.stdout, self.stderr):
+            stream.close()
+
+
+class RankProcess(_Rank):
+    """A fresh child interpreter (``python -m dask_ddp.rank``) that imports torch itself."""
+
+    def __init__(self):
+        super().__init__()
         parent, child = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dask_ddp.rank", str(child.fileno())], pass_fds=(child.fileno(),),
@@ -47,20 +81,109 @@ class RankProcess:
             env=_rank_environment())
         child.close()
         self.conn = Connection(parent.detach())
-        self.pid = self.proc.pid
-        self._send_lock = threading.Lock()
+        self.pid, self.stdout, self.stderr = self.proc.pid, self.proc.stdout, self.proc.stderr
 
     def alive(self) -> bool:
-        """True while the child process runs."""
+        """True while the process runs."""
         return self.proc.poll() is None
 
-    def send(self, msg) -> None:
-        """Send one message to the child (thread-safe); raises OSError once the socket is closed."""
-        with self._send_lock:
-            self.conn.send(msg)
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code once it has ended (negative: killed by that signal), None if it still runs."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
-    def kill(self) -> None:
-        """SIGKILL the child's whole process group (DataLoader workers included) and reap it."""
+
+class Zygote:
+    """The worker's warm zygote process (:mod:`dask_ddp.zygote`) and what it said about its children."""
+
+    def __init__(self):
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dask_ddp.zygote", str(child.fileno())], pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL, start_new_session=True, env=_rank_environment())
+        child.close()
+        self.pid = self.proc.pid
+        self.sock = parent
+        self._replies = Connection(os.dup(parent.fileno()), writable=False)
+        self._cond = threading.Condition()
+        self._ready = False
+        self._error: str | None = None
+        self._forked: list[int] = []
+        self.exits: dict[int, int] = {}  # child pid -> exit code, for children that ended
+        self._fork_lock = threading.Lock()
+        threading.Thread(target=self._read, name="dask-ddp-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._replies.recv()
+                with self._cond:
+                    if msg[0] == "ready":
+                        self._ready = True
+                    elif msg[0] == "forked":
+                        self._forked.append(msg[1])
+                    elif msg[0] == "exit":
+                        self.exits[msg[1]] = msg[2]
+                    elif msg[0] == "error":
+                        self._error = msg[1]
+                    self._cond.notify_all()
+        except (EOFError, OSError):
+            with self._cond:
+                self._error = self._error or "the zygote process ended"
+                self._cond.notify_all()
+
+    def alive(self) -> bool:
+        return self._error is None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the zygote has imported torch; True if it has (False: failed or still importing)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._error is not None, timeout=timeout)
+            return self._ready and self._error is None
+
+    def fork(self, timeout: float = 30.0) -> "ForkedRank":
+        """A new rank process, forked from the warm zygote.
+
+        Raises
+        ------
+        OSError
+            The zygote is gone or did not answer within ``timeout`` seconds.
+        """
+        ours, theirs = socket.socketpair()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            with self._fork_lock:  # one request at a time: answers come in order
+                with self._cond:
+                    self._forked.clear()
+                socket.send_fds(self.sock, [b"F"], [theirs.fileno(), out_w, err_w])
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._forked or self._error, timeout=timeout) or \
+                            not self._forked:
+                        raise OSError(f"the zygote (pid {self.pid}) did not fork a rank: {self._error or 'no answer'}")
+                    pid = self._forked.pop()
+        except BaseException:
+            ours.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            theirs.close()
+            for fd in (out_w, err_w):
+                os.close(fd)
+        return ForkedRank(self, pid, Connection(ours.detach()), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        """The exit code of child ``pid`` once the zygote has reaped it (None: not within ``timeout``)."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self.exits or self._error is not None, timeout=timeout)
+            return self.exits.pop(pid, None)
+
+    def close(self) -> None:
+        """Stop the zygote (its children notice and die)."""
+        self.sock.close()
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -69,6 +192,38 @@ class RankProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (self.proc.stdout, self.proc.stderr):
-            stream.close()
-        self.conn.close()
+        self._replies.close()
+
+
+class ForkedRank(_Rank):
+    """A rank process forked by the worker's :class:`Zygote` (its parent is the zygote, not the worker)."""
+
+    def __init__(self, zygote: Zygote, pid: int, conn: Connection, stdout, stderr):
+        super().__init__()
+        self.zygote, self.pid, self.conn, self.stdout, self.stderr = zygote, pid, conn, stdout, stderr
+        self._code: int | None = None
+
+    def alive(self) -> bool:
+        """True while the process runs (the zygote has not reported its end)."""
+        if self._code is not None:
+            return False
+        with self.zygote._cond:
+            if self.pid in self.zygote.exits:
+                return False
+        if not self.zygote.alive():  # nobody reaps it: ask the kernel
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+        return True
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code once it has ended (negative: killed by that signal), None if not within ``timeout``."""
+        if self._code is None:
+            deadline = time.monotonic() + timeout
+            self._code = self.zygote.exit_code(self.pid, timeout)
+            while self._code is None and not self.zygote.alive() and time.monotonic() < deadline:
+                if not self.alive():
+                    self._code = -signal.SIGKILL  # unknown: its zygote died before reporting it
+                time.sleep(0.05)
+        return self._code

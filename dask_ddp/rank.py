@@ -182,13 +182,9 @@ def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m dask_ddp.rank FD``: warm up, wait for a Start, run it, exit."""
-    argv = sys.argv[1:] if argv is None else argv
-    chan = _Channel(Connection(int(argv[0])))
-    _die_with_parent()
-    # torch is imported here, after the parent watch started (it can take many seconds), and before Ready:
-    # a spare is warm once these are in
+def warm_imports() -> None:
+    """Import what every job needs, so that a job does not wait for it: torch, its distributed package,
+    DDP and ``torch._dynamo`` (which DDP's first construction imports). Never initialises CUDA."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401 - DistributedDataParallel
@@ -197,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:  # noqa: BLE001 - an optional speed-up only
         pass
 
+
+def serve(fd: int) -> None:
+    """Be a rank on the socket ``fd``: say Ready, wait for a Start, run that job, exit. Never returns."""
+    chan = _Channel(Connection(fd))
     chan.send(Ready(os.getpid()))
     try:
         msg = chan.conn.recv()
@@ -209,6 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m dask_ddp.rank FD``: warm up, then :func:`serve` (a spawned rank)."""
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    warm_imports()  # after the parent watch started (it can take many seconds), before Ready
+    serve(int(argv[0]))
 
 
 if __name__ == "__main__":

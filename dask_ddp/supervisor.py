@@ -63,23 +63,27 @@ class Supervisor:
         self.host.add(self)
         started = time.time()
         try:
-            self.child = self.host.spares.take()
+            self.child = self.host.launcher.take(self._aborted, self.task.spawn_timeout)
+            if self.child is None:
+                return self._finish(self._fail(Status.ABORTED, self._stop_reason or STOPPED), started)
             if self.task.spare_early:
-                self.host.spares.refill()
+                self.host.launcher.refill()
             self._pump_output()
             self.relay.start()
             outcome = self._drive()
         except BaseException as exc:  # an error of dask-ddp itself: still an outcome, never a hang
             outcome = self._fail(Status.ERROR, f"the supervisor of rank {self.rank} failed: {exc!r}")
-        finally:
-            self.host.remove(self)
-            if self.child is not None:
-                self.child.kill()
-            # The next job's spare starts now, not while this one trains: importing torch beside a training
-            # rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md). A job that may
-            # restart started it early instead (spare_early): then this is a no-op.
-            self.host.spares.refill()
-            self.relay.stop()
+        return self._finish(outcome, started)
+
+    def _finish(self, outcome: RankOutcome, started: float) -> RankOutcome:
+        self.host.remove(self)
+        if self.child is not None:
+            self.child.kill()
+        # The next job's spare (or zygote) starts now, not while this one trains: importing torch beside a
+        # training rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md). A job that
+        # may restart started it early instead (spare_early): then this is a no-op.
+        self.host.launcher.refill()
+        self.relay.stop()
         outcome.started = started
         outcome.last_seq = self.relay.seq
         if outcome.status in (Status.ERROR, Status.DIED):
@@ -182,7 +186,7 @@ class Supervisor:
                 if name == "stderr":
                     self._stderr_tail.append(line)
                 self.relay.log(name, line)
-        for stream, name in ((self.child.proc.stdout, "stdout"), (self.child.proc.stderr, "stderr")):
+        for stream, name in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr")):
             threading.Thread(target=pump, args=(stream, name), name=f"dask-ddp-{name}", daemon=True).start()
 
     def _aborted(self) -> bool:
@@ -219,8 +223,9 @@ class Supervisor:
     def _died(self) -> RankOutcome:
         if self._stop_reason is not None:
             return self._fail(Status.ABORTED, self._stop_reason)
-        code = self.child.proc.wait(timeout=10)
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        code = self.child.wait(10)
+        how = ("exited, how is unknown" if code is None else f"was killed by signal {signal.Signals(-code).name}"
+               if code < 0 else f"exited with code {code}")
         time.sleep(0.05)  # let the output pumps catch the last lines
         tail = "\n".join(self._stderr_tail)
         return self._fail(Status.DIED, f"the process of rank {self.rank} on worker {self.address} {how} "
@@ -245,13 +250,28 @@ class Supervisor:
 
 
 def forget_attempt(task: RankTask, client=None) -> None:
-    """Remove an attempt's abort flag and rendezvous port from the scheduler (best effort)."""
+    """Remove an attempt's abort flag and rendezvous port from the scheduler (best effort).
+
+    One call to the scheduler, not the Event/Variable methods: deleting a Dask Variable logs a
+    ``remove-client`` event under a topic of its own (``variable-<name>``) that nothing ever removes,
+    one more per job for the scheduler's life; done on the scheduler, that topic goes in the same step.
+    """
     try:
-        Event(task.abort_event, client=client).clear()  # a cleared Event nobody waits on is deleted
-        Variable(task.port_variable, client=client).delete()
-        Event(task.port_variable + "-ready", client=client).clear()
+        client = client or get_worker().client
+        client.run_on_scheduler(_forget_on_scheduler, task.abort_event, task.port_variable)
     except Exception:  # noqa: BLE001 - the scheduler may be gone; its state went with it
         pass
+
+
+async def _forget_on_scheduler(abort_event: str, port_variable: str, dask_scheduler=None) -> None:
+    """On the scheduler: delete the port Variable and both Events, then the topic the delete logged under."""
+    events = dask_scheduler.extensions["events"]
+    for name in (abort_event, port_variable + "-ready"):
+        events.event_clear(name=name)  # a cleared Event nobody waits on is deleted
+    await dask_scheduler.extensions["variables"].delete(name=port_variable)
+    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)  # private (distributed 2026.7)
+    if topics is not None:
+        topics.pop(f"variable-{port_variable}", None)
 
 
 def supervise(task: RankTask) -> RankOutcome:

@@ -236,8 +236,30 @@ def test_warm_up_starts_the_spares_the_next_job_uses(client):
     assert sorted(ready) == sorted(client.scheduler_info(n_workers=-1)["workers"]) and all(ready.values())
     spares = {addr: got["spare"] for addr, got in rank_process_pids(client).items()}
     assert all(len(p) == 1 for p in spares.values()), spares
-    values = run(client, os.getpid).result(timeout=120)
-    assert set(values) == {p[0] for p in spares.values()}, "the job must run in the warmed spares"
+    parents = run(client, os.getppid).result(timeout=120)
+    assert set(parents) == {p[0] for p in spares.values()}, "the job's ranks must be forks of the warmed zygotes"
+
+
+def _set_zygote(on: bool) -> None:
+    import dask
+
+    dask.config.set({"ddp.zygote": on})
+
+
+@pytest.mark.slow
+def test_without_the_zygote_a_job_runs_in_the_warmed_spares(client):
+    """ddp.zygote: false starts each rank as a fresh interpreter; the warm spare is then the rank itself."""
+    client.run(_set_zygote, False)
+    try:
+        ready = dispatch.warm_up(client, timeout=120)
+        assert all(ready.values())
+        spares = {pid for got in rank_process_pids(client).values() for pid in got["spare"]}
+        values = run(client, os.getpid).result(timeout=120)
+        assert len(set(values)) == 2 and set(values) <= spares, "the job must run in the warmed spares"
+        assert run(client, lambda: 1).result(timeout=120) == [1, 1]
+        assert leftover_processes(client) == []
+    finally:
+        client.run(_set_zygote, True)
 
 
 def test_bad_input(client):

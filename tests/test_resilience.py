@@ -33,6 +33,14 @@ def kill_own_process():
     _spin_in_collectives()
 
 
+def dask_worker_pid() -> int:
+    """In a rank: the pid of its Dask worker process (its parent, or its zygote's parent)."""
+    import psutil
+
+    parent = psutil.Process(os.getppid())
+    return parent.ppid() if any("dask_ddp.zygote" in part for part in parent.cmdline()) else parent.pid
+
+
 def kill_own_worker():
     import torch.distributed as dist
 
@@ -40,7 +48,7 @@ def kill_own_worker():
     if dask_ddp.get_context().rank == 1:
         dask_ddp.report(at=time.time())
         time.sleep(0.3)
-        os.kill(os.getppid(), signal.SIGKILL)  # the Dask worker process (the Nanny starts a new one)
+        os.kill(dask_worker_pid(), signal.SIGKILL)  # the Dask worker process (the Nanny starts a new one)
         time.sleep(60)
     _spin_in_collectives()
 
@@ -265,7 +273,7 @@ def deterministic_training(epochs, kill_at=None):
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(DataLoader(data, batch_size=16, sampler=sampler)):
             if kill_at == (epoch, i) and ctx.restart_count == 0 and ctx.rank == 1:
-                os.kill(os.getppid(), signal.SIGKILL)  # SIGKILL this rank's Dask worker mid-epoch
+                os.kill(dask_worker_pid(), signal.SIGKILL)  # SIGKILL this rank's Dask worker mid-epoch
                 time.sleep(60)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
