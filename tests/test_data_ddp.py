@@ -12,7 +12,6 @@ from dask_ddp.data import S3ImageFolder
 
 
 def read_shards(dataset, epochs):
-    import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)

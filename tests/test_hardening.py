@@ -195,6 +195,9 @@ def test_a_hundred_jobs_leave_scheduler_and_client_flat(client):
     handlers_before = len(client._event_handlers)
     for _ in range(100):
         assert run(client, _chatty, 50).result(timeout=120) == [50, 50]
+    # the last job's port Variable is deleted over Dask's batched stream: wait for it
+    wait_until(lambda: client.run_on_scheduler(_scheduler_footprint)["variables"] == before["variables"], 10,
+               must=False)
     after, rss_after = client.run_on_scheduler(_scheduler_footprint), _client_rss()
     grew = {k: after[k] - before[k] for k in before}
     print(f"100 jobs: scheduler RSS {grew['rss'] / 2**20:+.1f} MiB, client RSS {(rss_after - rss_before) / 2**20:+.1f} "
@@ -205,28 +208,33 @@ def test_a_hundred_jobs_leave_scheduler_and_client_flat(client):
     assert grew["rss"] < 50 * 2**20 and rss_after - rss_before < 50 * 2**20
 
 
+# 2 x 100,000 reports here (CI: 2 cores); the README's 1M figure: DDP_TEST_REPORTS=500000 pytest -k million
+REPORTS = int(os.environ.get("DDP_TEST_REPORTS", "100000"))
+
+
 @pytest.mark.slow
 def test_a_million_reports_keep_the_client_bounded_and_metrics_fast(client):
     """Live memory is measured with tracemalloc: this process also hosts the LocalCluster's scheduler, whose
-    topic holds up to 1,000 batches while the job runs (dropped at its end), so its RSS says little."""
+    topic holds up to 1,000 batches while the job runs (dropped at its end), so its RSS says little. The
+    row cap is lowered to 20,000 so that 2 x 100,000 reports already run far past it."""
     import tracemalloc
 
     import dask
 
     tracemalloc.start()
     try:
-        with dask.config.set({"ddp.echo-logs": False}):
-            job = run(client, _chatty, 500_000)
-        assert job.result(timeout=600) == [500_000, 500_000]
+        with dask.config.set({"ddp.echo-logs": False, "ddp.events.max-rows": 20_000}):
+            job = run(client, _chatty, REPORTS)
+            assert job.result(timeout=280) == [REPORTS, REPORTS]
         held, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     t0 = time.perf_counter()
     m = job.metrics
     took = time.perf_counter() - t0
-    print(f"1M reports: {held / 2**20:.0f} MiB held after the job (peak {peak / 2**20:.0f} MiB, the scheduler's "
-          f"topic included), job.metrics {len(m)} rows in {took:.2f} s")
-    assert len(m) == 100_000 and (m["step"].groupby(m["rank"]).max() == 499_999).all()  # the latest are kept
+    print(f"{2 * REPORTS:,} reports: {held / 2**20:.0f} MiB held after the job (peak {peak / 2**20:.0f} MiB, the "
+          f"scheduler's topic included), job.metrics {len(m)} rows in {took:.2f} s")
+    assert len(m) == 20_000 and (m["step"].groupby(m["rank"]).max() == REPORTS - 1).all()  # the latest are kept
     assert held < 120 * 2**20, f"the client holds {held / 2**20:.0f} MiB"
     assert took < 5
-    assert [line for line in job.logs if line.endswith("done")] == ["[rank 0] done", "[rank 1] done"]
+    assert sorted(line for line in job.logs if line.endswith("done")) == ["[rank 0] done", "[rank 1] done"]

@@ -156,7 +156,7 @@ def test_logs_carry_rank_prefixes_from_print_stderr_and_logging(busy):
         assert f"[rank {r}] INFO user.train: hello from logging on rank {r}" in logs
     streams = {e["stream"] for e in busy["job"].events if e["kind"] == "log"}
     assert {"stdout", "stderr", "logging"} <= streams
-    assert f"[rank 0] hello from print on rank 0" in busy["stdout"]  # echoed in the notebook
+    assert "[rank 0] hello from print on rank 0" in busy["stdout"]  # echoed in the notebook
 
 
 def test_progress_bar_is_drawn_when_asked(busy):
