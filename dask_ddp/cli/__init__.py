@@ -68,11 +68,11 @@ exit codes: 0 success, 1 a rank failed (root cause on stderr), 2 usage error, 13
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dask-ddp`` and its sub-commands."""
-    from . import demo
+    from .. import demo
 
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="dask-ddp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=fmt)
-    from . import __version__
+    from .. import __version__
     parser.add_argument("--version", action="version", version=f"dask-ddp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{run,demo}", required=True)
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ._script import load_script
+    from .._script import load_script
 
     try:
         script = load_script(args.script, args.script_args)
@@ -159,9 +159,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_script(client, script, args: argparse.Namespace) -> int:
-    from . import dispatch
-    from ._script import run_script
-    from .errors import PlanError
+    from .. import dispatch
+    from .._script import run_script
+    from ..errors import PlanError
 
     workers = args.workers if args.scheduler else None  # a local cluster has exactly --workers workers
     try:
@@ -208,7 +208,7 @@ def _collect(job, outcome: list) -> None:
 
 def print_failure(err: BaseException, what: str) -> None:
     """Print a failed job's root cause on stderr: a headline naming the rank when known, then the traceback."""
-    from ._script import ScriptExitError
+    from .._script import ScriptExitError
 
     rank = getattr(err, "rank", None)
     where = f" on rank {rank}" if rank is not None else ""
@@ -222,7 +222,7 @@ def print_failure(err: BaseException, what: str) -> None:
 
 def _user_frames(tb):
     """The traceback from its first frame outside dask-ddp (the whole of it if every frame is dask-ddp's)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dask_ddp/, not dask_ddp/cli/
     first = tb
     while first is not None and first.tb_frame.f_code.co_filename.startswith(package):
         first = first.tb_next
@@ -319,7 +319,3 @@ def _sigint_ignored():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Runs in: the user's shell (``python -m dask_ddp.cli``, the same as the ``dask-ddp`` command)."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
