@@ -294,7 +294,7 @@ def test_local_cuda_cluster_choice_with_dask_cuda(monkeypatch):
 
 
 def test_load_script_errors(tmp_path):
-    from dask_ddp._script import load_script
+    from dask_ddp.cli.script import load_script
 
     with pytest.raises(FileNotFoundError, match="no such script"):
         load_script(tmp_path / "missing.py")
@@ -310,7 +310,7 @@ def test_load_script_errors(tmp_path):
 
 def test_run_script_outside_a_rank(tmp_path):
     from dask_ddp import NotInRankError
-    from dask_ddp._script import load_script, run_script
+    from dask_ddp.cli.script import load_script, run_script
 
     (tmp_path / "ok.py").write_text("print('hi')\n")
     with pytest.raises(NotInRankError):
@@ -321,7 +321,7 @@ def test_script_exit_error_pickles():
     import pickle
 
     from dask_ddp import RankFailedError
-    from dask_ddp._script import ScriptExitError
+    from dask_ddp.cli.script import ScriptExitError
 
     err = pickle.loads(pickle.dumps(ScriptExitError("x.py called sys.exit with code 3", code=3, rank=1, worker="w")))
     assert isinstance(err, RankFailedError) and (err.code, err.rank, err.worker) == (3, 1, "w")

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .._script import load_script
+    from .script import load_script
 
     try:
         script = load_script(args.script, args.script_args)
@@ -160,7 +160,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_script(client, script, args: argparse.Namespace) -> int:
     from .. import dispatch
-    from .._script import run_script
+    from .script import run_script
     from ..errors import PlanError
 
     workers = args.workers if args.scheduler else None  # a local cluster has exactly --workers workers
@@ -208,7 +208,7 @@ def _collect(job, outcome: list) -> None:
 
 def print_failure(err: BaseException, what: str) -> None:
     """Print a failed job's root cause on stderr: a headline naming the rank when known, then the traceback."""
-    from .._script import ScriptExitError
+    from .script import ScriptExitError
 
     rank = getattr(err, "rank", None)
     where = f" on rank {rank}" if rank is not None else ""

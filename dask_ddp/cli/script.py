@@ -1,4 +1,6 @@
-"""Run an unchanged torchrun-style script as the function of a dask-ddp rank (``dask-ddp run``).
+"""Runs in: the client (:func:`load_script`) and the rank process (:func:`run_script`).
+
+Run an unchanged torchrun-style script as the function of a dask-ddp rank (``dask-ddp run``).
 
 The script travels by value: :func:`load_script` reads and compiles it on the
 client, so a syntax error is reported before anything ships and the workers
@@ -22,6 +24,10 @@ Caveats: only the script itself ships. ``sys.path[0]`` and ``__file__`` point
 to a private temporary folder holding a copy of it, so imports of sibling
 modules and data files found next to ``__file__`` must be installed on, or
 reachable from, the workers.
+
+Why this module stays light (no torch, no distributed at import): the job
+ships :func:`run_script` by reference, so every rank imports this module (and
+the ``dask_ddp.cli`` package around it) to unpickle it.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import types
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .errors import RankFailedError
+from ..context import get_context
+from ..errors import RankFailedError
 
 __all__ = ["Script", "ScriptExitError", "load_script", "run_script"]
 
@@ -114,9 +121,7 @@ def run_script(script: Script) -> int:
     Exception
         Whatever the script raised, unchanged (the client re-raises it with its type).
     """
-    import torch.distributed as dist
-
-    from .context import get_context
+    import torch.distributed as dist  # here, not at the top: the client imports this module too
 
     ctx = get_context()
     if dist.is_initialized():
