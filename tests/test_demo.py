@@ -43,7 +43,7 @@ def test_demo_reads_given_data_and_uses_a_given_scheduler(s3, tmp_path):
     """``--data`` (an existing tree, a subset of the digits) and ``--scheduler``, through the Python entry point."""
     from dask.distributed import Client, LocalCluster
 
-    from dask_ddp import demo
+    from dask_ddp.cli import demo
 
     from _cluster import leftover_processes
 
@@ -65,7 +65,7 @@ def test_demo_reads_given_data_and_uses_a_given_scheduler(s3, tmp_path):
 
 
 def test_digits_images_split():
-    from dask_ddp.demo import digits_images
+    from dask_ddp.cli.demo import digits_images
 
     files = digits_images()
     assert len(files) == 1797
@@ -81,6 +81,6 @@ def test_digits_images_split():
 def test_model_shape():
     import torch
 
-    from dask_ddp.demo import build_model
+    from dask_ddp.cli.demo import build_model
 
     assert build_model()(torch.zeros(3, 1, 8, 8)).shape == (3, 10)

@@ -68,7 +68,7 @@ exit codes: 0 success, 1 a rank failed (root cause on stderr), 2 usage error, 13
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dask-ddp`` and its sub-commands."""
-    from .. import demo
+    from . import demo
 
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="dask-ddp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=fmt)

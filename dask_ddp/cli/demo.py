@@ -72,8 +72,8 @@ def main(args: argparse.Namespace) -> int:
     KeyboardInterrupt
         Outside the training itself (the CLI turns it into exit code 130).
     """
-    from .cli import usage_error
-    from .errors import PlanError
+    from . import usage_error
+    from ..errors import PlanError
 
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
@@ -110,7 +110,7 @@ def run_demo(*, epochs: int = 5, workers: int | None = None, data: str | None = 
     PlanError
         ``workers`` is more than the cluster has.
     """
-    from . import cli
+    from .. import cli
 
     started = time.monotonic()
     out = os.path.abspath(out)
@@ -142,8 +142,8 @@ def _start(client, data, storage_options, checkpoint_dir, out, epochs, batch_siz
     """List the data once, start the job with a CSV sink for its metrics; return ``(job, sink)``."""
     import uuid
 
-    from . import dispatch
-    from .sinks import CSVSink
+    from .. import dispatch
+    from ..sinks import CSVSink
 
     train_set, test_set = _datasets(data, storage_options)
     world = workers or len(client.scheduler_info(n_workers=-1)["workers"])
@@ -242,7 +242,7 @@ def _transform():
 
 def _datasets(data: str, storage_options: dict):
     """Both splits, listed once here; the listings travel to the ranks inside the pickled datasets."""
-    from .data import S3ImageFolder
+    from ..data import S3ImageFolder
 
     return tuple(S3ImageFolder(f"{data}/{split}", transform=_transform(), storage_options=storage_options)
                  for split in ("train", "test"))
@@ -346,7 +346,7 @@ def train(train_set, test_set, epochs: int, batch_size: int, lr: float) -> dict:
 
 def _with_cache(dataset, cache: str):
     """The same dataset (same listing: no new LIST) reading through a local cache after the first epoch."""
-    from .data import S3ImageFolder
+    from ..data import S3ImageFolder
 
     return S3ImageFolder(dataset.root, transform=dataset.transform, storage_options=dataset.storage_options,
                          index=dataset.index, cache=cache)
