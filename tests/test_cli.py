@@ -279,7 +279,7 @@ def test_max_restarts(cluster, tmp_path):
     (1, False, 4, "LocalCluster with 1 workers"),
 ])
 def test_local_cluster_choice(workers, dask_cuda, gpus, kind):
-    from dask_ddp.cli import _local_cluster_kind
+    from dask_ddp.cli.common import _local_cluster_kind
 
     assert _local_cluster_kind(workers, dask_cuda, gpus)[0] == kind
 
@@ -287,10 +287,10 @@ def test_local_cluster_choice(workers, dask_cuda, gpus, kind):
 def test_local_cuda_cluster_choice_with_dask_cuda(monkeypatch):
     import importlib.util
 
-    from dask_ddp import cli
+    from dask_ddp.cli import common
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "dask_cuda" else None)
-    assert cli._local_cluster_kind(None, True, 2)[0] == "LocalCUDACluster with 2 workers (one GPU each)"
+    assert common._local_cluster_kind(None, True, 2)[0] == "LocalCUDACluster with 2 workers (one GPU each)"
 
 
 def test_load_script_errors(tmp_path):

@@ -15,7 +15,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dask_ddp"
 
@@ -197,8 +196,6 @@ def test_no_import_cycle_at_module_level():
     assert not found, describe(found)
 
 
-@pytest.mark.xfail(strict=False, reason="dask_ddp.cli <-> dask_ddp.demo, through imports inside functions; "
-                                        "the CLI package removes it")
 def test_no_import_cycle_counting_imports_in_functions():
     found = cycles(import_graph(PACKAGE))
     assert not found, describe(found)

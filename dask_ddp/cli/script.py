@@ -67,6 +67,7 @@ class Script:
 
     @property
     def name(self) -> str:
+        """The script's file name (``train.py``), as messages name it; raises nothing."""
         return os.path.basename(self.path)
 
 

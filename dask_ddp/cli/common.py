@@ -1,0 +1,214 @@
+"""Runs in: the user's shell (the ``dask-ddp`` command): what its commands share.
+
+Exit codes; the cluster options every command takes; the Dask client of a
+running scheduler or of a local cluster started (and stopped) here; waiting
+for a job, where Ctrl-C cancels it; printing a failed job's root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Iterator
+
+from .script import ScriptExitError
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED", "add_cluster_arguments", "int_at_least",
+           "usage_error", "wait_for", "print_failure", "open_client"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dask_ddp/, not dask_ddp/cli/
+
+
+# ---- arguments and usage errors ------------------------------------------------------------------------------
+
+def add_cluster_arguments(parser: argparse.ArgumentParser, local: str) -> None:
+    """Add ``--scheduler``, ``--connect-timeout`` and ``--workers`` to ``parser``; ``local`` names the local cluster.
+
+    Raises
+    ------
+    argparse.ArgumentError
+        ``parser`` has one of these options already.
+    """
+    parser.add_argument("--scheduler", metavar="ADDR",
+                        help=f"address of a running Dask scheduler (tcp://host:8786); default: start a local "
+                             f"cluster ({local}) on 127.0.0.1 and stop it at the end")
+    parser.add_argument("--connect-timeout", type=float, default=30, metavar="SECONDS",
+                        help="how long to try reaching --scheduler (default 30)")
+    parser.add_argument("--workers", type=int_at_least(1), metavar="N",
+                        help="number of ranks: the first N workers of --scheduler's cluster (default all), or "
+                             "the size of the local cluster (default: one per GPU, else 2)")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for whole numbers >= ``minimum``, with the bound in its message.
+
+    The returned function raises ``argparse.ArgumentTypeError`` for text that
+    is not a whole number or is below ``minimum`` (argparse makes it a usage
+    error, exit code 2).
+    """
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def usage_error(command: str, message: str) -> int:
+    """Print ``message`` the way argparse reports usage errors and return exit code 2; never raises."""
+    print(f"dask-ddp {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# ---- waiting for a job ---------------------------------------------------------------------------------------
+
+def wait_for(job, what: str) -> int:
+    """Wait for ``job``; print the root cause and return 1 if it failed, cancel it and return 130 on Ctrl-C.
+
+    ``job.result()`` (and its progress bar) runs in a helper thread while this
+    thread only sleeps: the KeyboardInterrupt of Ctrl-C then lands in a plain
+    ``time.sleep``, never half-way through the job's locks. Raises nothing:
+    the job's error is printed (``what`` heads it) and the Ctrl-C is handled.
+    """
+    outcome: list = []
+    waiter = threading.Thread(target=_collect, args=(job, outcome), name="dask-ddp-cli-wait", daemon=True)
+    waiter.start()
+    try:
+        while not outcome:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        print(f"{what}: interrupted; cancelling job {job.run_id} ...", file=sys.stderr)
+        job.cancel()
+        return EXIT_INTERRUPTED
+    error = outcome[0]
+    if error is not None:
+        print_failure(error, what)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _collect(job, outcome: list) -> None:
+    try:
+        job.result()
+    except BaseException as err:  # noqa: BLE001 - every failure is the job's root cause, shown as such
+        outcome.append(err)
+        return
+    outcome.append(None)
+
+
+def print_failure(err: BaseException, what: str) -> None:
+    """Print a failed job's root cause on stderr: a headline naming the rank when known, then the traceback.
+
+    The traceback starts at the first frame outside dask-ddp (the user's code).
+    Raises nothing of its own.
+    """
+    rank = getattr(err, "rank", None)
+    where = f" on rank {rank}" if rank is not None else ""
+    print(f"{what} failed{where}: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
+    if isinstance(err, ScriptExitError):  # its traceback is dask-ddp's own, not the script's
+        print("".join(traceback.format_exception_only(err)), end="", file=sys.stderr)
+        return
+    print("root cause (the rank's traceback; notes name the rank and worker):", file=sys.stderr)
+    traceback.print_exception(type(err), err, _user_frames(err.__traceback__), file=sys.stderr)
+
+
+def _user_frames(tb):
+    """The traceback from its first frame outside dask-ddp (the whole of it if every frame is dask-ddp's)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+        first = first.tb_next
+    return first or tb
+
+
+# ---- the cluster ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def open_client(scheduler: str | None = None, workers: int | None = None, *, dask_cuda: bool = True,
+                connect_timeout: float = 30) -> Iterator[object]:
+    """A Dask client of the cluster at ``scheduler``, or of a local cluster started (and stopped) here.
+
+    The local cluster listens on 127.0.0.1 and has ``workers`` workers
+    (default: one per GPU, else 2), one thread each. With a GPU, ``dask_cuda=True``
+    starts a ``LocalCUDACluster`` (each worker sees its own GPU as ``cuda:0``,
+    what dask-ddp's functions expect) when dask-cuda is installed;
+    ``dask_cuda=False`` a ``LocalCluster`` whose workers see every GPU, so that a
+    torchrun-style script's ``cuda:LOCAL_RANK`` is its own GPU, as under
+    torchrun. The worker processes ignore SIGINT: Ctrl-C in a terminal reaches
+    this process alone, which can then cancel the job cleanly.
+
+    Raises
+    ------
+    OSError
+        The scheduler cannot be reached within ``connect_timeout`` seconds.
+    """
+    from distributed import Client  # half a second to import: not for --help, usage errors or a rank
+
+    if scheduler:
+        with Client(scheduler, timeout=connect_timeout) as client:
+            yield client
+        return
+    with _local_cluster(workers, dask_cuda) as cluster, Client(cluster) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def _local_cluster(workers: int | None, dask_cuda: bool):
+    gpus = _gpu_count() if dask_cuda or workers is None else 0  # spare the client a torch import when it can
+    kind, make = _local_cluster_kind(workers, dask_cuda, gpus)
+    print(f"starting a local {kind} ...", file=sys.stderr)
+    with _sigint_ignored():  # the worker processes inherit SIG_IGN: Ctrl-C is this process's to handle
+        cluster = make()
+    try:
+        yield cluster
+    finally:
+        with _sigint_ignored():
+            cluster.close()
+
+
+def _gpu_count() -> int:
+    import torch  # seconds to import: only when the local cluster's size depends on it
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _local_cluster_kind(workers: int | None, dask_cuda: bool, gpus: int):
+    """``(description, factory)`` of the local cluster to start: a pure choice, nothing is started."""
+    common = dict(host="127.0.0.1", dashboard_address="127.0.0.1:0", threads_per_worker=1)
+    n = workers or gpus or 2
+    if gpus and dask_cuda and importlib.util.find_spec("dask_cuda") is not None:
+        def make_cuda():
+            from dask_cuda import LocalCUDACluster  # optional: dask-ddp[cuda]
+
+            return LocalCUDACluster(n_workers=n, **common)
+        return f"LocalCUDACluster with {n} workers (one GPU each)", make_cuda
+
+    def make():
+        from distributed import LocalCluster
+
+        return LocalCluster(n_workers=n, processes=True, **common)
+    return f"LocalCluster with {n} workers", make
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are not ours to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
