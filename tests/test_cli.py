@@ -47,10 +47,21 @@ def wait_none_marked(token: str, wait: float = 15.0) -> list:
     return left
 
 
+def cli_env(token: str) -> dict:
+    """The command's environment: the marker, unbuffered output, and this checkout first on PYTHONPATH.
+
+    The entry point runs this checkout's code even when another checkout is the
+    installed one (a git worktree beside an editable install), and so do the
+    workers of the local cluster it starts, which import ``dask_ddp.cli``.
+    """
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, **{MARK: token, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+
+
 def run_cli(*args, timeout: float = 180, cwd=None) -> subprocess.CompletedProcess:
     """Run ``dask-ddp ARGS``; check that it left no process behind; return the completed process."""
     token = uuid.uuid4().hex
-    env = dict(os.environ, **{MARK: token, "PYTHONUNBUFFERED": "1"})
+    env = cli_env(token)
     started = time.monotonic()
     out = subprocess.run([*COMMAND, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env,
                          cwd=cwd or ROOT)
@@ -145,8 +156,7 @@ def test_ctrl_c_cancels_the_job_and_exits_130(tmp_path):
     """)
     token = uuid.uuid4().hex
     proc = subprocess.Popen([*COMMAND, "run", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, cwd=ROOT,
-                            env=dict(os.environ, **{MARK: token, "PYTHONUNBUFFERED": "1"}))
+                            text=True, start_new_session=True, cwd=ROOT, env=cli_env(token))
     try:
         started = 0
         for line in proc.stdout:  # both ranks are inside the script
