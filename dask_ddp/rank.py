@@ -14,6 +14,7 @@ supervisor or Dask worker never leaves a rank behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -26,8 +27,8 @@ from multiprocessing.connection import Connection
 import cloudpickle
 from tblib import pickling_support
 
-from . import context, devices, reporting
-from .errors import RankFailedError
+from . import context, devices, network, reporting
+from .errors import RankFailedError, RendezvousError
 from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
 from .task import RankTask
 
@@ -111,13 +112,12 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     try:
         os.environ.update(task.env)
         fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
-        if rank == 0:
-            store = dist.TCPStore(task.master_addr, 0, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            chan.send(Port(store.port))  # bound by the OS on port 0: no race, no collision
-        else:
-            store = dist.TCPStore(task.master_addr, master_port, world_size, is_master=False, timeout=timeout)
-        os.environ["MASTER_PORT"] = str(store.port)
+        pinned = network.pin_interfaces(spec.host)
+        store = _open_store(chan, task, master_port)
+        if rank == 0 and pinned:
+            logging.getLogger("dask_ddp").info("collectives use interface %s (the worker's address %s); set %s "
+                                               "to choose another", next(iter(pinned.values())), spec.host,
+                                               " / ".join(pinned))
         backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)  # nccl: collectives on it
@@ -142,6 +142,41 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     chan.send(message)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _open_store(chan: _Channel, task: RankTask, master_port: int | None):
+    """Rank 0: host the rendezvous store on ``master_addr`` only (a port the OS picks: no race, no collision)
+    and send its port. Other ranks: connect within ``rendezvous_timeout``, then wait on the store as long as
+    the collectives do (``timeout``).
+
+    Raises
+    ------
+    RendezvousError
+        ``master_addr`` is not an address of rank 0's host, or a rank cannot reach the store in time.
+    """
+    import torch.distributed as dist
+
+    spec, timeout = task.rank, timedelta(seconds=task.timeout)
+    if spec.rank == 0:
+        sock = network.listen(task.master_addr, rank=0, worker=spec.address)
+        host, port = sock.getsockname()[:2]
+        store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
+        chan.send(Port(port))
+    else:
+        port = master_port
+        try:
+            store = dist.TCPStore(task.master_addr, port, spec.world_size, is_master=False,
+                                  timeout=timedelta(seconds=task.rendezvous_timeout))
+        except dist.DistError as exc:
+            raise RendezvousError(
+                f"rank {spec.rank} on worker {spec.address} could not reach the rendezvous store at "
+                f"{task.master_addr}:{port} within {task.rendezvous_timeout:g} s (ddp.rendezvous-timeout): "
+                f"{str(exc).splitlines()[0]}. Is master_addr an address every worker can reach, and is the port "
+                "open between the workers (firewall, NetworkPolicy)?") from None
+        store.set_timeout(timeout)
+    os.environ["MASTER_PORT"] = str(port)
+    return store
 
 
 def _join(store, world_size: int) -> None:
