@@ -75,6 +75,7 @@ class Start:
 
     task: RankTask
     master_port: int | None = None
+    tmpdir: str | None = None  # the rank's TMPDIR, made and removed by its supervisor
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ from multiprocessing.connection import Connection
 
 import dask
 
-__all__ = ["RankProcess", "Zygote", "ForkedRank"]
+from .task import TOKEN_VARIABLE
+
+__all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked"]
 
 
 def _rank_environment() -> dict[str, str]:
@@ -41,6 +43,29 @@ def _rank_environment() -> dict[str, str]:
     return env
 
 
+def stop_marked(token: str) -> list[int]:
+    """SIGKILL every process of this user whose environment holds ``DASK_DDP_RANK_TOKEN=token``; return their pids.
+
+    That finds what a rank started and what left its process group (``start_new_session=True``, a
+    daemon), whoever its parent is now. Raises nothing.
+    """
+    import psutil
+
+    mark, killed = f"{TOKEN_VARIABLE}={token}".encode(), []
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.pid == os.getpid() or proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+                continue
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            proc.kill()
+            killed.append(proc.pid)
+        except (OSError, psutil.Error):  # gone meanwhile, or not ours to read
+            continue
+    return killed
+
+
 class _Rank:
     """What both kinds of rank process share: the socket to it and killing its process group."""
 
@@ -51,6 +76,7 @@ class _Rank:
 
     def __init__(self):
         self._send_lock = threading.Lock()
+        self.pumped = False  # whether a reader owns stdout/stderr (and closes them at their end)
 
     def send(self, msg) -> None:
         """Send one message to the rank (thread-safe); raises OSError once the socket is closed."""
@@ -65,8 +91,9 @@ class _Rank:
             pass
         self.wait(10)
         self.conn.close()
-        for stream in (self.stdout, self.stderr):
-            stream.close()
+        if not self.pumped:  # else its reader closes it: closing under a blocked readline() would block here,
+            for stream in (self.stdout, self.stderr):  # as long as a helper that escaped holds the pipe open
+                stream.close()
 
 
 class RankProcess(_Rank):

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -99,6 +100,13 @@ def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:
         text = "".join(traceback.format_exception(exc))
         return cloudpickle.dumps(RankFailedError(f"rank {rank} on worker {worker} raised an exception that cannot "
                                                  f"be pickled back to the client:\n{text}", rank=rank, worker=worker))
+
+
+def _use_tmpdir(path: str | None) -> None:
+    """Point ``tempfile`` (and what the rank starts, through TMPDIR) at the folder the supervisor removes."""
+    if path:
+        os.environ["TMPDIR"] = path
+        tempfile.tempdir = path  # gettempdir() caches its first answer; the zygote may have asked already
 
 
 def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
@@ -240,6 +248,7 @@ def serve(fd: int) -> None:
     if not isinstance(msg, Start):
         os._exit(0)
     chan.listen()
+    _use_tmpdir(msg.tmpdir)
     _run_job(chan, msg.task, msg.master_port)
     sys.stdout.flush()
     sys.stderr.flush()

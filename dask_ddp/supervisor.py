@@ -14,7 +14,9 @@ within a poll interval even if the client is gone.
 
 from __future__ import annotations
 
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
@@ -28,7 +30,7 @@ from .events import Relay
 from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
 from .outcome import RankOutcome, Status
 from .plugin import RankHost
-from .process import RankProcess
+from .process import RankProcess, stop_marked
 from .task import RankTask
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
@@ -57,6 +59,7 @@ class Supervisor:
         self._stderr_tail: deque = deque(maxlen=30)
         self._last_abort_check = 0.0
         self._stop_reason: str | None = None
+        self.tmpdir: str | None = None
 
     # ---- the run -------------------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
@@ -79,6 +82,9 @@ class Supervisor:
         self.host.remove(self)
         if self.child is not None:
             self.child.kill()
+            stop_marked(self.task.token)  # what it started in sessions of their own, after it can start no more
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
         # The next job's spare (or zygote) starts now, not while this one trains: importing torch beside a
         # training rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md). A job that
         # may restart started it early instead (spare_early): then this is a no-op.
@@ -107,7 +113,9 @@ class Supervisor:
             port = self._wait_port()
             if isinstance(port, RankOutcome):
                 return port
-        self.child.send(Start(self.task, port))
+        self.tmpdir = tempfile.mkdtemp(prefix=f"dask-ddp-{self.task.attempt_id}-rank{self.rank}-",
+                                       dir=getattr(self.worker, "local_directory", None))
+        self.child.send(Start(self.task, port, self.tmpdir))
         return self._watch()
 
     def _recv_until(self, want: Callable, timeout: float, what: str):
@@ -181,11 +189,13 @@ class Supervisor:
     # ---- helpers -------------------------------------------------------------------------------------------
     def _pump_output(self) -> None:
         def pump(stream, name):
-            for raw in iter(stream.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\n")
-                if name == "stderr":
-                    self._stderr_tail.append(line)
-                self.relay.log(name, line)
+            with stream:  # closed here, at EOF: when the rank and whatever inherited the pipe have ended
+                for raw in iter(stream.readline, b""):
+                    line = raw.decode(errors="replace").rstrip("\n")
+                    if name == "stderr":
+                        self._stderr_tail.append(line)
+                    self.relay.log(name, line)
+        self.child.pumped = True
         for stream, name in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr")):
             threading.Thread(target=pump, args=(stream, name), name=f"dask-ddp-{name}", daemon=True).start()
 

@@ -20,6 +20,9 @@ def topic_of(run_id: str) -> str:
     return f"dask-ddp-{run_id}"
 
 
+TOKEN_VARIABLE = "DASK_DDP_RANK_TOKEN"
+
+
 @dataclass(frozen=True)
 class RankTask:
     """One rank of one attempt: where it runs, what it runs, and the job's settings it needs."""
@@ -67,9 +70,16 @@ class RankTask:
         return f"dask-ddp-{self.attempt_id}-rank{self.rank.rank}"
 
     @property
+    def token(self) -> str:
+        """Marks every process of this rank (``DASK_DDP_RANK_TOKEN`` in its environment, inherited by
+        whatever it starts): how the supervisor finds the helpers that left the rank's session."""
+        return f"{self.attempt_id}/{self.rank.rank}"
+
+    @property
     def env(self) -> dict[str, str]:
         """torchrun's environment for the rank (all but MASTER_PORT, known once rank 0 has bound it)."""
-        return torchrun_env(self.rank, self.master_addr, self.run_id, self.attempt, self.max_restarts)
+        return torchrun_env(self.rank, self.master_addr, self.run_id, self.attempt, self.max_restarts) | {
+            TOKEN_VARIABLE: self.token}
 
 
 def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> list[RankTask]:

@@ -238,3 +238,49 @@ def test_a_million_reports_keep_the_client_bounded_and_metrics_fast(client):
     assert held < 120 * 2**20, f"the client holds {held / 2**20:.0f} MiB"
     assert took < 5
     assert sorted(line for line in job.logs if line.endswith("done")) == ["[rank 0] done", "[rank 1] done"]
+
+
+# ---- nothing outlives its job -----------------------------------------------------------------------------------
+
+def _leaves_a_helper(mode):
+    """Start a helper in a session of its own (out of the rank's process group), holding the rank's stdout."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    helper = subprocess.Popen([sys.executable, "-c", "import time; print('helper up', flush=True); time.sleep(120)"],
+                              start_new_session=True)
+    scratch = tempfile.mkdtemp()
+    with open(os.path.join(scratch, "big.bin"), "wb") as f:
+        f.write(b"x" * 1024)
+    if mode == "killed" and dask_ddp.get_context().rank == 1:
+        os.kill(os.getpid(), 9)
+    return helper.pid, tempfile.gettempdir(), scratch
+
+
+@pytest.mark.parametrize("mode", ["returns", "killed"])
+def test_helpers_in_their_own_session_and_temp_files_do_not_outlive_the_rank(client, mode, tmp_path):
+    import psutil
+
+    t0 = time.monotonic()
+    job = run(client, _leaves_a_helper, mode, name=f"helpers-{mode}")
+    if mode == "returns":
+        got = job.result(timeout=120)
+    else:
+        with pytest.raises(Exception, match="rank 1"):
+            job.result(timeout=120)
+        got = []
+    took = time.monotonic() - t0
+    print(f"{mode}: job ended {took:.1f} s after start")
+    assert took < 30, "a helper holding the rank's stdout kept the job from ending"
+    for pid, tmp, scratch in got:
+        assert tmp != "/tmp" and not os.path.exists(tmp), f"the rank's TMPDIR {tmp} outlived it"
+        wait_until(lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10,
+                   what=f"helper {pid} stopped")
+    # every helper of the job, found by the rank token in its environment, whether its rank returned or was killed
+    strays = [p.pid for p in psutil.process_iter(["cmdline"]) if "helper up" in " ".join(p.info["cmdline"] or [])]
+    wait_until(lambda: not [pid for pid in strays if psutil.pid_exists(pid)], 10, what="every helper stopped")
+    assert not leftover_processes(client)
+    left = client.run(lambda dask_worker: __import__("glob").glob(f"{dask_worker.local_directory}/dask-ddp-*-rank*"))
+    assert not any(left.values()), f"rank temp folders left: {left}"
