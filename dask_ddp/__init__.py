@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 # Imported on first use. torchvision (and so torch) takes seconds to import, and the first task of a job
 # imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile. The client's
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
-_LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data", "Job": "job", "dispatch": None}
+_LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data", "Job": "job", "dispatch": None, "attach": "detach",
+         "DetachedJobNotFound": "detach"}
 
 
 def __getattr__(name: str):
@@ -45,7 +46,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dask_ddp' has no attribute {name!r}")
 
 __all__ = [
-    "dispatch", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state",
+    "dispatch", "attach", "DetachedJobNotFound", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state",
     "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
     "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",

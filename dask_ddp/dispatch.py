@@ -29,10 +29,12 @@ from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import plan as planning
 from . import plugin
 from .errors import ClientClosedError, PlanError, SerializationError
+from . import detach as detach_module
+from .detach import attach
 from .job import Job
 from .spec import LaunchSpec
 
-__all__ = ["run", "warm_up", "LaunchSpec"]
+__all__ = ["run", "attach", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 HOOKS = ("on_start", "on_metrics", "on_log", "on_failure", "on_restart", "on_finish")
@@ -98,7 +100,7 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
         progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
         max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_options: dict | None = None,
-        timeout: float | None = None, **kwargs: Any) -> Job:
+        timeout: float | None = None, detach: bool = False, **kwargs: Any) -> Job:
     """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
 
     Inside ``fn`` the torch process group is initialised (and destroyed after
@@ -153,6 +155,11 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         fsspec storage options for ``checkpoint_dir`` (endpoint, credentials).
     timeout : float
         Collective and store timeout in seconds (default ``ddp.timeout``).
+    detach : bool
+        False (default): the job lives as long as this client; when it closes, disconnects or its kernel
+        dies, every rank is stopped. True: the job's controller runs in the scheduler's process and the
+        job keeps running without this client; any client can :func:`attach` to it by name or run id
+        (:mod:`dask_ddp.detach`). A detached job takes no ``callbacks``.
 
     Raises
     ------
@@ -166,11 +173,16 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     ClientClosedError
         The client is not connected.
     """
-    return Job(client, _make_spec(client, fn, args, kwargs, workers=workers, backend=backend,
-                                  master_addr=master_addr, name=name, callbacks=callbacks, progress=progress,
-                                  total=total, stall_timeout=stall_timeout, max_restarts=max_restarts,
-                                  checkpoint_dir=checkpoint_dir, timeout=timeout,
-                                  checkpoint_options=checkpoint_options))._start()
+    if not isinstance(detach, bool):
+        raise TypeError(f"detach={detach!r}: expected True or False")
+    if detach and callbacks:
+        raise TypeError("a detached job takes no callbacks (they would run in the scheduler's process): attach "
+                        "to it and read job.stream() instead")
+    spec = _make_spec(client, fn, args, kwargs, workers=workers, backend=backend, master_addr=master_addr,
+                      name=name, callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
+                      max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, timeout=timeout,
+                      checkpoint_options=checkpoint_options)
+    return detach_module.launch(client, spec) if detach else Job(client, spec)._start()
 
 
 def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:

@@ -67,6 +67,76 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
     assert run(client, lambda: "next").result(timeout=120) == ["next", "next"]  # the workers are free
 
 
+DETACHED_NOTEBOOK = textwrap.dedent('''
+    import sys, time
+    import dask_ddp
+    from dask.distributed import Client
+
+    def steps(n):
+        for i in range(n):
+            dask_ddp.report(i=float(i))
+            time.sleep(0.05)
+        return dask_ddp.get_context().rank
+
+    client = Client(sys.argv[1])
+    job = dask_ddp.dispatch.run(client, steps, int(sys.argv[3]), name=sys.argv[2], detach=True, progress=False)
+    while job.metrics.empty:
+        time.sleep(0.05)
+    print("running", job.run_id, flush=True)
+    time.sleep(120)  # the test kills this process: the kernel died
+''')
+
+
+def _start_detached(client, name: str, steps: int) -> str:
+    proc = subprocess.Popen([sys.executable, "-c", DETACHED_NOTEBOOK, client.scheduler.address, name, str(steps)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = []
+        for text in proc.stdout:  # the ranks' output is echoed first
+            if text.startswith("running"):
+                line = text.split()
+                break
+    finally:
+        proc.kill()  # the notebook's kernel dies with its client
+        proc.wait()
+    assert line[:1] == ["running"], proc.stderr.read()
+    return line[1]
+
+
+def test_a_detached_job_outlives_its_client_and_a_new_client_attaches_and_cancels_it(client):
+    run_id = _start_detached(client, "detached-long", 100_000)
+    with pytest.raises(dask_ddp.DetachedJobNotFound, match="no detached jobs named 'nope'"):
+        dask_ddp.attach(client, "nope")
+    job = dask_ddp.attach(client, "detached-long", progress=False)  # by name, from another client
+    assert job.run_id == run_id
+    wait_until(lambda: job.state == "RUNNING" and len(job.metrics) > 20, 30, what="live metrics")
+    seen = job.metrics["i"].max()
+    time.sleep(2)  # the kernel has been dead for seconds: the ranks train on, their reports still arrive
+    assert job.metrics["i"].max() > seen and len(running_ranks(client)) == 2
+    assert any("RUNNING" == new for _, _, new, _ in job.history)
+    t0 = time.monotonic()
+    job.cancel()
+    with pytest.raises(dask_ddp.JobCancelledError):
+        job.result(timeout=60)
+    wait_until(lambda: not running_ranks(client), 30, what="every rank stopped")
+    print(f"detached: cancelled from an attached client, ranks stopped {time.monotonic() - t0:.2f} s later")
+    assert job.state == "CANCELLED" and leftover_processes(client) == []
+
+
+def test_a_detached_job_that_ended_alone_gives_its_result_to_a_later_attach(client):
+    run_id = _start_detached(client, "detached-short", 40)
+    late = dask_ddp.attach(client, run_id, progress=False)  # by run id
+    assert late.result(timeout=120) == [0, 1]
+    assert late.state == "FINISHED" and sorted(late.metrics["i"].unique()) == [float(i) for i in range(40)]
+    again = dask_ddp.attach(client, "detached-short", progress=False)  # and again, by name, after its end
+    assert again.result(timeout=30) == [0, 1] and len(again.metrics) == 80
+
+
+def test_a_detached_job_takes_no_callbacks(client):
+    with pytest.raises(TypeError, match="a detached job takes no callbacks"):
+        run(client, lambda: 1, detach=True, callbacks=[print])
+
+
 # ---- bad input, refused before anything starts ---------------------------------------------------------------
 
 def _gen():

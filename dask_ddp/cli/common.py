@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Callable, Iterator
 
@@ -77,18 +76,19 @@ def usage_error(command: str, message: str) -> int:
 def wait_for(job, what: str) -> int:
     """Wait for ``job``; print the root cause and return 1 if it failed, cancel it and return 130 on Ctrl-C.
 
-    ``job.result()`` (and its progress bar) runs in a helper thread while this
-    thread only sleeps: the KeyboardInterrupt of Ctrl-C then lands in a plain
-    ``time.sleep``, never half-way through the job's locks. Raises nothing:
-    the job's error is printed (``what`` heads it) and the Ctrl-C is handled.
+    ``job.result()`` (and its progress bar) runs in a helper thread. Ctrl-C only sets a flag here (a
+    SIGINT handler of our own): a KeyboardInterrupt raised while the main thread happened to run a
+    finaliser (``__del__``, a weakref callback, the garbage collector) is swallowed by Python, and the
+    command then never stopped. Raises nothing: the job's error is printed (``what`` heads it).
     """
     outcome: list = []
+    interrupted = threading.Event()
     waiter = threading.Thread(target=_collect, args=(job, outcome), name="dask-ddp-cli-wait", daemon=True)
-    waiter.start()
-    try:
-        while not outcome:
-            time.sleep(0.1)
-    except KeyboardInterrupt:
+    with _on_sigint(interrupted.set):
+        waiter.start()
+        while not outcome and not interrupted.wait(0.1):
+            pass
+    if interrupted.is_set() and not outcome:
         print(f"{what}: interrupted; cancelling job {job.run_id} ...", file=sys.stderr)
         job.cancel()
         return EXIT_INTERRUPTED
@@ -97,6 +97,20 @@ def wait_for(job, what: str) -> int:
         print_failure(error, what)
         return EXIT_FAILED
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _on_sigint(callback):
+    """Call ``callback`` on SIGINT instead of raising KeyboardInterrupt (main thread only; elsewhere a no-op)."""
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: callback())
+    except ValueError:  # not the main thread: signals are not ours to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _collect(job, outcome: list) -> None:
