@@ -113,8 +113,10 @@ class Supervisor:
             port = self._wait_port()
             if isinstance(port, RankOutcome):
                 return port
-        self.tmpdir = tempfile.mkdtemp(prefix=f"dask-ddp-{self.task.attempt_id}-rank{self.rank}-",
-                                       dir=getattr(self.worker, "local_directory", None))
+        # Short, in the system's temp folder: multiprocessing (DataLoader workers passing tensors) binds
+        # AF_UNIX sockets under TMPDIR, whose paths may not exceed 107 bytes; under a worker's local
+        # directory (dask-cuda's is long) every batch failed to send and the DataLoader waited for good.
+        self.tmpdir = tempfile.mkdtemp(prefix=tmpdir_prefix(self.task))
         self.child.send(Start(self.task, port, self.tmpdir))
         return self._watch()
 
@@ -257,6 +259,11 @@ class Supervisor:
         if self._stacks_ready.wait(timeout):
             return self._stacks[-1]
         return f"(no answer within {timeout} s: the rank holds the GIL or is stopped)"
+
+
+def tmpdir_prefix(task: RankTask) -> str:
+    """The start of the name of a rank's TMPDIR (in the system's temp folder): ``ddp-<run hex>-<attempt>-r<rank>-``."""
+    return f"ddp-{task.run_id[-8:]}-{task.attempt}-r{task.rank.rank}-"
 
 
 def forget_attempt(task: RankTask, client=None) -> None:
