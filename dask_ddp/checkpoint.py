@@ -1,5 +1,7 @@
 """Checkpoints on any fsspec URL (a local path, ``file://``, ``s3://``, ``memory://``, ...).
 
+Runs in: the rank process (and the client, given ``directory=``).
+
 A checkpoint directory is one flat folder::
 
     step-000000100.pt                     payload: torch.save of the state, written in one piece
@@ -29,6 +31,7 @@ import uuid
 from typing import NamedTuple
 
 from . import context as _context
+from . import storage
 from .errors import DaskDDPError, NotInRankError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
@@ -61,6 +64,8 @@ class _Where(NamedTuple):
     url: str  # the directory as the user wrote it, userinfo removed, no trailing slash
     rank: int
     world_size: int
+    raw: str  # the directory as the user wrote it, userinfo and all: redacted in messages
+    options: dict  # the storage options, redacted in messages
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -74,14 +79,7 @@ def _name(step: int, rank: int | None, world_size: int | None, kind: str) -> str
     return f"step-{step:09d}{who}.{kind}"
 
 
-def _redact(url: str) -> str:
-    # "s3://key:secret@bucket/x" -> "s3://bucket/x": credentials never reach a message
-    return re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1", url)
-
-
 def _where(directory, storage_options) -> _Where:
-    import fsspec
-
     ctx = _context._CONTEXT
     if directory is None:
         if ctx is None:
@@ -94,40 +92,25 @@ def _where(directory, storage_options) -> _Where:
     directory = os.fspath(directory)
     if storage_options is None:
         storage_options = (ctx.checkpoint_options if ctx is not None else None) or {}
-    fs, root = fsspec.core.url_to_fs(directory, **storage_options)
+    fs, root = storage.resolve(directory, storage_options)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    return _Where(fs, root.rstrip("/"), _redact(directory).rstrip("/"), rank, world)
+    return _Where(fs, root.rstrip("/"), storage.without_userinfo(directory).rstrip("/"), rank, world,
+                  directory.rstrip("/"), dict(storage_options))
 
 
-@contextlib.contextmanager
-def _storage_errors(url: str):
-    """Turn backend access errors into PermissionError naming the URL (never the credentials)."""
-    try:
-        yield
-    except PermissionError as exc:
-        raise PermissionError(f"access denied to {url}: check the credentials and endpoint in "
-                              "storage_options (or the rank's environment) and the bucket's policy") from exc
-    except _credential_errors() as exc:
-        raise PermissionError(f"no credentials to access {url}: pass them in storage_options "
-                              "(e.g. key=/secret= for s3) or set them in the workers' environment") from exc
-
-
-def _credential_errors() -> tuple:
-    try:
-        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
-    except ImportError:  # not an s3 install: nothing to translate
-        return ()
-    return NoCredentialsError, PartialCredentialsError
+def _call(where: _Where, fn, name: str = "", doing: str = "reading it"):
+    """``fn()`` with backend errors as PermissionError / FileNotFoundError naming the URL, never a secret."""
+    url = f"{where.raw}/{name}" if name else where.raw
+    return storage.call(fn, url, doing=doing, storage_options=where.options)
 
 
 def _put(where: _Where, name: str, data: bytes) -> None:
     from fsspec.implementations.local import LocalFileSystem
 
-    with _storage_errors(where.url_of(name)):
-        if isinstance(where.fs, LocalFileSystem):
-            _local_atomic_write(where.path(name), data)
-        else:  # one PUT (or multipart upload): the object appears whole or not at all
-            where.fs.pipe_file(where.path(name), data)
+    if isinstance(where.fs, LocalFileSystem):
+        _call(where, lambda: _local_atomic_write(where.path(name), data), name, "writing it")
+    else:  # one PUT (or multipart upload): the object appears whole or not at all
+        _call(where, lambda: where.fs.pipe_file(where.path(name), data), name, "writing it")
 
 
 def _local_atomic_write(path: str, data: bytes) -> None:
@@ -150,13 +133,14 @@ def _local_atomic_write(path: str, data: bytes) -> None:
 
 
 def _names(where: _Where) -> list[str]:
-    with _storage_errors(where.url):
+    def ls():
         where.fs.invalidate_cache(where.root)  # s3fs caches listings; other writers change them
         try:
-            entries = where.fs.ls(where.root, detail=False)
+            return where.fs.ls(where.root, detail=False)
         except FileNotFoundError:
             return []
-    return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in _call(where, ls, doing="listing it")]
 
 
 def _complete(names: list[str], all_ranks: bool) -> dict[int, int | None]:
@@ -181,9 +165,9 @@ def _prune(where: _Where, keep: int, all_ranks: bool) -> None:
             and (m[2] is not None) == all_ranks and (not all_ranks or int(m[2]) == where.rank)]
     for markers in (True, False):  # markers first: a step stops counting before its payload goes
         doomed = [where.path(n) for n in mine if n.endswith(".done") == markers]
-        with _storage_errors(where.url), contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
             if doomed:
-                where.fs.rm(doomed)
+                _call(where, lambda: where.fs.rm(doomed), doing="deleting old checkpoints in it")
 
 
 def save_checkpoint(state: dict, step: int, *, directory: str | None = None, keep: int | None = None,
@@ -303,8 +287,7 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
             return None
         name = entries[step if step is not None else max(entries)]
         try:
-            with _storage_errors(where.url_of(name)):
-                data = where.fs.cat_file(where.path(name))
+            data = _call(where, lambda: where.fs.cat_file(where.path(name)), name)
         except FileNotFoundError:
             if attempt == 2:
                 raise FileNotFoundError(f"{where.url_of(name)} is missing although its .done marker "

@@ -22,15 +22,16 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import fsspec
 from fsspec.asyn import sync
-from fsspec.implementations.local import LocalFileSystem
 from PIL import Image, UnidentifiedImageError
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
+
+from . import storage
+from .folder_index import FolderIndex, index_folder, normalize_root, open_fs
 
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
 
@@ -67,62 +68,12 @@ def _file_loader(loader: Callable) -> Callable:
     return loader
 
 
-class _Options(dict):
-    """``storage_options`` whose repr hides the values (credentials live there)."""
-
-    def __repr__(self) -> str:
-        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
-
-
-@dataclass(frozen=True)
-class FolderIndex:
-    """The one listing of a folder tree: everything :class:`S3ImageFolder` needs, no I/O.
-
-    Attributes
-    ----------
-    root : str
-        The normalized root URL (no trailing ``/``), as in ``S3ImageFolder.root``.
-    files : tuple of (str, int)
-        ``(relative path, size in bytes)`` of every file under the root, in
-        torchvision's walk order (by directory path, then file name).
-    dirs : tuple of str
-        Relative paths of every directory under the root, sorted.
-    """
-
-    root: str
-    files: tuple[tuple[str, int], ...]
-    dirs: tuple[str, ...]
-
-
-def _normalize_root(root: str | os.PathLike) -> str:
-    root = os.fspath(root)
-    if "://" not in root:
-        root = os.path.expanduser(root)
-    stripped = root.rstrip("/")
-    return stripped if stripped and not stripped.endswith(":") else root
-
-
-def _open_fs(root: str, storage_options: Mapping[str, Any]) -> fsspec.AbstractFileSystem:
-    """A fresh filesystem (never fsspec's shared instance) with a connection pool sized for batches."""
-    protocol = fsspec.core.split_protocol(root)[0] or "file"
-    opts = dict(storage_options)
-    if protocol in ("s3", "s3a"):
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("max_pool_connections", 64)
-        opts["config_kwargs"] = config
-    return fsspec.get_filesystem_class(protocol)(skip_instance_cache=True, **opts)
-
-
 @functools.cache
-def _error_types(kind: str) -> tuple[type[BaseException], ...]:
-    """Backend exception types by kind ('transient' or 'denied'), for the backends that are installed."""
-    names = {
-        "transient": [("botocore.exceptions", "ConnectionError"), ("botocore.exceptions", "HTTPClientError"),
-                      ("aiohttp", "ClientError")],
-        "denied": [("botocore.exceptions", "NoCredentialsError")],
-    }[kind]
-    found: list[type[BaseException]] = [OSError] if kind == "transient" else [PermissionError]
-    for module, name in names:
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Errors worth a retry (network, 5xx) for the backends that are installed."""
+    found: list[type[BaseException]] = [OSError]
+    for module, name in [("botocore.exceptions", "ConnectionError"), ("botocore.exceptions", "HTTPClientError"),
+                         ("aiohttp", "ClientError")]:
         try:
             found.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
@@ -130,88 +81,11 @@ def _error_types(kind: str) -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-def _as_builtin(err: BaseException, url: str, doing: str) -> BaseException | None:
-    """The builtin error a user can act on for a backend error, or None when there is none."""
-    if isinstance(err, FileNotFoundError):
-        return FileNotFoundError(f"{url} does not exist (no such bucket, prefix, folder or object) while {doing}")
-    if isinstance(err, _error_types("denied")):
-        return PermissionError(
-            f"access to {url} was denied while {doing} ({type(err).__name__}); check the credentials "
-            "given in storage_options or the environment, or pass storage_options={'anon': True}"
-        )
-    return None
+class _Options(dict):
+    """``storage_options`` whose repr hides secret values (credentials live there)."""
 
-
-def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FolderIndex:
-    """List a folder tree once and return its :class:`FolderIndex` (reusable with ``S3ImageFolder(index=...)``).
-
-    On S3 this is one ``ListObjectsV2`` request per 1,000 keys, whatever the depth.
-
-    Parameters
-    ----------
-    root : str or os.PathLike
-        Any fsspec URL (``s3://bucket/prefix``, ``memory://x``, ``file:///x``) or a local path.
-    storage_options : mapping, optional
-        Passed to the fsspec filesystem, as in :class:`S3ImageFolder`.
-
-    Raises
-    ------
-    FileNotFoundError
-        No such bucket, prefix or folder; the message names the URL.
-    NotADirectoryError
-        ``root`` is a file.
-    PermissionError
-        The credentials were refused or missing; the message names the URL, never the secret.
-    """
-    url = _normalize_root(root)
-    fs = _open_fs(url, storage_options or {})
-    fs_root = fs._strip_protocol(url).rstrip("/") or "/"
-    try:
-        found = (_walk_local(fs_root) if isinstance(fs, LocalFileSystem) else
-                 fs.find(fs_root, withdirs=True, detail=True))
-    except Exception as err:
-        builtin = _as_builtin(err, url, "listing it")
-        if builtin is None:
-            err.add_note(f"while listing {url}")
-            raise
-        raise builtin from err
-    prefix = fs_root if fs_root.endswith("/") else fs_root + "/"
-    files, dirs = [], set()
-    for name, info in found.items():
-        if name.rstrip("/") == fs_root.rstrip("/"):
-            if info["type"] != "directory" and not name.endswith("/"):
-                raise NotADirectoryError(f"{url} is a file, not a folder of class folders")
-            continue
-        rel = name[len(prefix):] if name.startswith(prefix) else name
-        if info["type"] == "directory" or name.endswith("/"):
-            dirs.add(rel.rstrip("/"))
-        else:
-            files.append((rel, int(info.get("size") or 0)))
-            parts = rel.split("/")[:-1]
-            dirs.update("/".join(parts[: i + 1]) for i in range(len(parts)))
-    if not found and not fs.isdir(fs_root):
-        raise FileNotFoundError(f"{url} does not exist (no such bucket, prefix or folder)")
-    files.sort(key=lambda f: tuple(f[0].rpartition("/")[::2]))  # os.walk order: directory, then name
-    return FolderIndex(url, tuple(files), tuple(sorted(dirs)))
-
-
-def _walk_local(root: str) -> dict[str, dict]:
-    """``fs.find(root, withdirs=True, detail=True)`` for a local folder, following symlinked folders as
-    torchvision's ``os.walk(followlinks=True)`` does (fsspec's find does not descend into them)."""
-    if not os.path.isdir(root):
-        return {root: {"type": "file", "size": os.path.getsize(root)}} if os.path.exists(root) else {}
-    found = {root: {"type": "directory"}}
-    for top, dirs, files in os.walk(root, followlinks=True):
-        for d in dirs:
-            found[f"{top.rstrip('/')}/{d}"] = {"type": "directory"}
-        for f in files:
-            path = f"{top.rstrip('/')}/{f}"
-            try:
-                size = os.path.getsize(path)
-            except OSError:  # a broken link: listed, as by ImageFolder, and fails when loaded
-                size = 0
-            found[path] = {"type": "file", "size": size}
-    return found
+    def __repr__(self) -> str:
+        return repr(storage.masked(self))
 
 
 async def _gather_cat(fs, paths: Sequence[str], kwargs: dict) -> list:
@@ -296,7 +170,7 @@ class S3ImageFolder(ImageFolder):
     ):
         if int(retries) < 0:
             raise ValueError(f"retries must be 0 or more, got {retries}")
-        url = _normalize_root(root)
+        url = normalize_root(root)
         self.storage_options = _Options(storage_options or {})
         if index is None:
             index = index_folder(url, self.storage_options)
@@ -371,8 +245,7 @@ class S3ImageFolder(ImageFolder):
     def fs(self) -> fsspec.AbstractFileSystem:
         """This process's filesystem, opened on first use (a forked child opens its own)."""
         if self._fs is None or self._fs_pid != os.getpid():
-            self._fs, self._fs_pid = _open_fs(self.root, self.storage_options), os.getpid()
-            self._fs_root = self._fs._strip_protocol(self.root).rstrip("/") or "/"
+            (self._fs, self._fs_root), self._fs_pid = open_fs(self.root, self.storage_options), os.getpid()
             params = inspect.signature(self._fs._cat_file).parameters if self._fs.async_impl else {}
             # s3fs >= 2026.3 sends a HEAD before each GET unless max_concurrency is 1
             self._cat_kwargs = {"max_concurrency": 1} if "max_concurrency" in params else {}
@@ -467,12 +340,11 @@ class S3ImageFolder(ImageFolder):
 
     @staticmethod
     def _transient(err: BaseException) -> bool:
-        return not isinstance(err, _PERMANENT) and isinstance(err, _error_types("transient"))
+        return not isinstance(err, _PERMANENT) and isinstance(err, _transient_types())
 
     def _fetch_error(self, url: str, err: BaseException, attempts: int) -> BaseException:
-        builtin = _as_builtin(err, url, "reading it")
-        if builtin is not None:
-            builtin.__cause__ = err
+        builtin = storage.translate(err, url, doing="reading it", storage_options=self.storage_options)
+        if builtin is not None:  # not chained: the backend's text may show a secret
             return builtin
         if self._transient(err):
             wrapped = OSError(f"could not read {url} after {attempts} attempts: {type(err).__name__}: {err}")

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+from . import storage
+
 __all__ = ["JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics"]
 
 LEAD = ("rank", "attempt", "step", "time")
@@ -39,17 +41,22 @@ def _row(event: dict) -> dict:
 def _open(url: str, storage_options: dict | None, who: str):
     """Open ``url`` for writing bytes with fsspec (parent directories made on local disks).
 
-    Backend errors keep their builtin type and get the URL in their message.
+    Missing or refused credentials and missing buckets raise as :func:`dask_ddp.storage.call` says;
+    other backend errors keep their builtin type and get the URL in their message.
     """
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    def open_():
+        fs, path = storage.resolve(url, storage_options)
         if "file" in fs.protocol:
             fs.makedirs(fs._parent(path), exist_ok=True)
         return fs.open(path, "wb")
+
+    try:
+        return storage.call(open_, url, doing=f"{who} opened it for writing", storage_options=storage_options)
+    except (PermissionError, FileNotFoundError):
+        raise
     except OSError as exc:
-        raise type(exc)(f"{who} could not open {url!r} for writing: {exc}") from exc
+        raise type(exc)(f"{who} could not open {storage.redact(url, storage_options)!r} for writing: "
+                        f"{storage.redact(exc, storage_options)}") from None
 
 
 class _FileSink:
@@ -72,26 +79,34 @@ class _FileSink:
             self._file = _open(self.url, self.storage_options, type(self).__name__)
         return self._file
 
+    def _io(self, fn):
+        """``fn()``, a write, flush or close: on object stores this is when the backend is reached."""
+        return storage.call(fn, self.url, doing=f"{type(self).__name__} wrote it",
+                            storage_options=self.storage_options)
+
     def _due(self) -> bool:
         return time.monotonic() - self._last_flush >= self.flush_interval
 
     def _flush_file(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            self._io(self._file.flush)
         self._last_flush = time.monotonic()
 
     def _close(self) -> None:
         f, self._file = self._file, None
         if f is not None:
-            f.close()
+            self._io(f.close)
 
     def on_finish(self, job=None) -> None:
         """Write what is buffered and close the file (on object stores: upload it).
 
         Raises
         ------
+        PermissionError
+            Missing or refused credentials; FileNotFoundError: no such bucket (the URL is in the
+            message, never a secret; the same text as a checkpoint's).
         OSError
-            When the backend refuses the write (the URL is in the message).
+            When the backend refuses the write otherwise (the URL is in the message).
         """
         with self._lock:
             self._finish()
@@ -100,7 +115,7 @@ class _FileSink:
         self._close()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
+        return f"{type(self).__name__}({storage.redact(self.url, self.storage_options)!r})"
 
 
 class JSONLinesSink(_FileSink):
@@ -136,7 +151,8 @@ class JSONLinesSink(_FileSink):
         """
         line = (json.dumps(_row(event)) + "\n").encode()
         with self._lock:
-            self._ensure_open().write(line)
+            f = self._ensure_open()
+            self._io(lambda: f.write(line))
             if self._due():
                 self._flush_file()
 
@@ -199,7 +215,7 @@ class CSVSink(_FileSink):
             writer.writeheader()
         writer.writerows(self._rows[self._written:])
         self._written = len(self._rows)
-        f.write(text.getvalue().encode())
+        self._io(lambda: f.write(text.getvalue().encode()))
         self._flush_file()
 
     def _finish(self) -> None:
