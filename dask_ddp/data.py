@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import importlib
 import inspect
 import io
@@ -21,7 +20,6 @@ import logging
 import os
 import random
 import time
-import uuid
 from typing import Any, Callable, Mapping, Sequence
 
 import fsspec
@@ -31,6 +29,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 
 from . import storage
+from .blob_cache import BlobCache
 from .folder_index import FolderIndex, index_folder, normalize_root, open_fs
 
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
@@ -138,7 +137,9 @@ class S3ImageFolder(ImageFolder):
     cache : str or os.PathLike, optional
         Local folder: each object is written there (temp file + ``os.replace``)
         on first read and read from there afterwards. Keyed by URL: objects are
-        assumed not to change while cached; clear the folder when they do.
+        assumed not to change while cached; clear the folder when they do. A
+        folder that cannot be used (read-only, a file in the way, disk full) is
+        logged once and caching is switched off; samples still load.
     retries : int
         Extra attempts for a transient (network, 5xx) fetch error, with exponential backoff.
 
@@ -178,6 +179,7 @@ class S3ImageFolder(ImageFolder):
             raise ValueError(f"index was built for {index.root}, not {url}; list it with index_folder({url!r})")
         self.index = index
         self.cache = os.fspath(cache) if cache is not None else None
+        self._cache = BlobCache(self.cache) if cache is not None else None
         self.retries = int(retries)
         self._fs, self._fs_pid, self._base = None, None, url if url.endswith("/") else url + "/"
         super().__init__(url, transform, target_transform, _file_loader(loader), is_valid_file, allow_empty)
@@ -294,15 +296,16 @@ class S3ImageFolder(ImageFolder):
 
     def _fetch(self, urls: Sequence[str]) -> list[bytes]:
         unique = list(dict.fromkeys(urls))
-        got = {u: b for u in unique if (b := self._cache_read(u)) is not None} if self.cache else {}
+        cache = self._cache
+        got = {u: b for u in unique if (b := cache.get(u)) is not None} if cache else {}
         todo, attempt = [u for u in unique if u not in got], 0
         while todo:  # a fully cached batch never opens the filesystem
             failed = {}
             for url, result in zip(todo, self._cat(todo)):
                 if not isinstance(result, BaseException):
                     got[url] = result
-                    if self.cache:
-                        self._cache_write(url, result)
+                    if cache:
+                        cache.put(url, result)  # never raises: a cache that fails switches itself off
                 elif attempt < self.retries and self._transient(result):
                     failed[url] = result
                 else:
@@ -352,29 +355,6 @@ class S3ImageFolder(ImageFolder):
             return wrapped
         err.add_note(f"while reading {url}")
         return err
-
-    def _cache_path(self, url: str) -> str:
-        digest = hashlib.sha256(url.encode()).hexdigest()
-        return os.path.join(self.cache, digest[:2], digest[2:])
-
-    def _cache_read(self, url: str) -> bytes | None:
-        try:
-            with open(self._cache_path(url), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def _cache_write(self, url: str, blob: bytes) -> None:
-        path = self._cache_path(url)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)  # atomic: readers see the old state or the whole file
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
 
     def extra_repr(self) -> str:
         return f"Classes: {len(self.classes)}" + (f"\nCache: {self.cache}" if self.cache else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
 import socket
@@ -454,3 +455,23 @@ def test_cache_serves_later_epochs_from_disk(counted, tmp_path):
     again = pickle.loads(pickle.dumps(ds))
     _same_items(list(DataLoader(again, batch_size=None, num_workers=2)), first)
     assert recorder.log == []
+
+
+def test_cache_that_cannot_be_written_warns_once_and_samples_still_load(counted, tmp_path, caplog):
+    recorder, url, opts = counted
+    bucket = url.split("/")[2]
+    (tmp_path / "afile").write_text("a file where the cache's parent folder should be")  # fails for root too
+    cache = tmp_path / "afile" / "cache"
+    want = _items(S3ImageFolder(url, transform=ToTensor(), storage_options=opts))
+    ds = S3ImageFolder(url, transform=ToTensor(), storage_options=opts, cache=cache)
+    caplog.set_level(logging.WARNING, logger="dask_ddp.blob_cache")
+    recorder.reset()
+    _same_items(ds.__getitems__(list(range(N_IMAGES))) + _items(ds), want + want)
+    warned = [r.getMessage() for r in caplog.records if r.name == "dask_ddp.blob_cache"]
+    assert len(warned) == 1, warned
+    assert str(cache) in warned[0] and "NotADirectoryError" in warned[0] and "caching is off" in warned[0]
+    assert len(recorder.object_requests(bucket, "GET")) == 2 * N_IMAGES  # off: every read goes to the store
+    again = pickle.loads(pickle.dumps(ds))  # off for the dataset, DataLoader workers' copies included
+    _same_items(list(DataLoader(again, batch_size=None, num_workers=1)), want)
+    assert len([r for r in caplog.records if r.name == "dask_ddp.blob_cache"]) == 1
+
