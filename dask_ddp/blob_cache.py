@@ -36,6 +36,7 @@ class BlobCache:
         self.folder, self.error = os.fspath(folder), None
 
     def path(self, url: str) -> str:
+        """Where ``url``'s bytes are cached (no I/O)."""
         digest = hashlib.sha256(url.encode()).hexdigest()
         return os.path.join(self.folder, digest[:2], digest[2:])
 

@@ -2,7 +2,14 @@
 
 Runs in: the rank process (and the client, given ``directory=``).
 
-A checkpoint directory is one flat folder::
+Each job writes to a folder of its own, ``<checkpoint_dir>/<run_id>/`` (the
+run id is the job's name made safe plus 8 random hex digits, see ``Job.run_id``
+and ``Job.checkpoint_dir``), so two jobs given the same ``checkpoint_dir``
+never read, count or prune each other's files, while the restarts of one job
+(same run id) resume from its own. To resume a *previous* job, pass its folder
+explicitly: ``load_checkpoint(directory=old_job.checkpoint_dir)`` (or
+``f"{checkpoint_dir}/{run_id}"``). An explicit ``directory=`` is always used as
+given, inside a job or not. A checkpoint folder is flat::
 
     step-000000100.pt                     payload: torch.save of the state, written in one piece
     step-000000100.done                   commit marker (small JSON), written after the payload
@@ -66,6 +73,7 @@ class _Where(NamedTuple):
     world_size: int
     raw: str  # the directory as the user wrote it, userinfo and all: redacted in messages
     options: dict  # the storage options, redacted in messages
+    run_id: str | None  # the job's, inside a rank
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -88,14 +96,20 @@ def _where(directory, storage_options) -> _Where:
         if ctx.checkpoint_dir is None:
             raise ValueError("no checkpoint directory: this job was started without "
                              "run(..., checkpoint_dir=...); pass directory=... to this call")
-        directory = ctx.checkpoint_dir
+        directory = job_folder(ctx.checkpoint_dir, ctx.run_id)
     directory = os.fspath(directory)
     if storage_options is None:
         storage_options = (ctx.checkpoint_options if ctx is not None else None) or {}
     fs, root = storage.resolve(directory, storage_options)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     return _Where(fs, root.rstrip("/"), storage.without_userinfo(directory).rstrip("/"), rank, world,
-                  directory.rstrip("/"), dict(storage_options))
+                  directory.rstrip("/"), dict(storage_options), ctx.run_id if ctx is not None else None)
+
+
+def job_folder(checkpoint_dir: str, run_id: str) -> str:
+    """The folder of one job's checkpoints: ``<checkpoint_dir>/<run_id>`` (run ids never repeat)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    return f"{checkpoint_dir if checkpoint_dir.endswith('/') else checkpoint_dir + '/'}{run_id}"
 
 
 def _call(where: _Where, fn, name: str = "", doing: str = "reading it"):
@@ -153,15 +167,16 @@ def _complete(names: list[str], all_ranks: bool) -> dict[int, int | None]:
             if world is None or ranks == set(range(world))}
 
 
-def _prune(where: _Where, keep: int, all_ranks: bool) -> None:
+def _prune(where: _Where, keep: int, all_ranks: bool, written: int) -> None:
     names = _names(where)
     steps = sorted(_complete(names, all_ranks))
     if len(steps) < keep:
         return
-    # everything older than the keep-th newest complete step goes, crash leftovers included;
+    # everything older than the keep-th newest complete step goes, crash leftovers included, but never the
+    # step just written (older than the others when saved out of order, or after an attempt that got further);
     # with all_ranks each rank removes only its own files, so it lags the others by a step
     cutoff = steps[-keep]
-    mine = [n for n in names if (m := _NAME.match(n)) and int(m[1]) < cutoff
+    mine = [n for n in names if (m := _NAME.match(n)) and int(m[1]) < cutoff and int(m[1]) != written
             and (m[2] is not None) == all_ranks and (not all_ranks or int(m[2]) == where.rank)]
     for markers in (True, False):  # markers first: a step stops counting before its payload goes
         doomed = [where.path(n) for n in mine if n.endswith(".done") == markers]
@@ -185,10 +200,13 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
     ----------
     state : dict to save, e.g. ``{"model": m.state_dict(), "optim": o.state_dict(), "epoch": 3}``.
     step : int >= 0; a step saved again replaces the earlier one.
-    directory : fsspec URL; defaults to the job's ``checkpoint_dir`` inside a
-        rank. Outside a rank the caller counts as rank 0 of 1.
-    keep : after a successful write, delete all but the newest ``keep`` complete
-        checkpoints (and older leftovers of crashed writes); None keeps all.
+    directory : fsspec URL, used as given; defaults inside a rank to this job's
+        folder ``<checkpoint_dir>/<run_id>`` (see the module's docs). Outside a
+        rank the caller counts as rank 0 of 1.
+    keep : after a successful write, delete the complete checkpoints of this
+        folder older than the newest ``keep`` (and older leftovers of crashed
+        writes), never the one just written (even when newer steps exist, e.g.
+        from an attempt that got further); None keeps all.
     all_ranks : one file per rank, named ``...rank-RRRRR-of-WWWWW.pt``.
     storage_options : fsspec options (s3: ``key``, ``secret``, ``client_kwargs``);
         default: the job's ``checkpoint_options`` inside a rank, else none.
@@ -218,10 +236,10 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
     payload = _name(step, rank, world, "pt")
     _put(where, payload, data)
     marker = {"format": 1, "step": step, "file": payload, "bytes": len(data), "rank": rank,
-              "world_size": world, "time": time.time()}
+              "world_size": world, "run_id": where.run_id, "time": time.time()}  # no storage options here
     _put(where, _name(step, rank, world, "done"), json.dumps(marker).encode())
     if keep is not None:
-        _prune(where, keep, all_ranks)
+        _prune(where, keep, all_ranks, step)
     return where.url_of(payload)
 
 
@@ -241,9 +259,10 @@ def _entries(where: _Where, all_ranks: bool) -> list[tuple[int, str]]:
 
 def list_checkpoints(directory: str | None = None, *, all_ranks: bool = False,
                      storage_options: dict | None = None) -> list[Checkpoint]:
-    """Return the complete checkpoints in ``directory``, oldest first (empty if none or no folder).
+    """Return the complete checkpoints in ``directory`` (inside a rank: this job's folder), oldest first.
 
-    With ``all_ranks=True``, the URLs are this rank's files of the steps every rank completed.
+    Empty if none or no folder. With ``all_ranks=True``, the URLs are this rank's files of
+    the steps every rank completed.
     Arguments and errors as in :func:`save_checkpoint`.
     """
     where = _where(directory, storage_options)
@@ -262,8 +281,11 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
                     storage_options: dict | None = None) -> dict | None:
     """Load the newest complete checkpoint (or the one of ``step``); None when there is none.
 
-    Every rank may call it. ``weights_only=True``, torch's safe loader, is the default;
-    ``weights_only=False`` unpickles anything, which can run code: only for files you trust.
+    Inside a rank, without ``directory``, it reads this job's folder: a restart
+    resumes from what this job saved. To resume another (earlier) job, pass its
+    folder: ``directory=old_job.checkpoint_dir``. Every rank may call it.
+    ``weights_only=True``, torch's safe loader, is the default; ``weights_only=False``
+    unpickles anything, which can run code: only for files you trust.
     ``all_ranks=True`` loads this rank's own file. Other arguments as in :func:`save_checkpoint`.
 
     Raises

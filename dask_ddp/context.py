@@ -41,7 +41,8 @@ class Context:
     backend : the torch.distributed backend in use ("nccl" or "gloo").
     run_id : the job's id; restart_count : the attempt, 0 first; max_restarts.
     worker : address of the Dask worker running this rank.
-    checkpoint_dir : the ``checkpoint_dir=`` given to ``run`` (fsspec URL) or None.
+    checkpoint_dir : the ``checkpoint_dir=`` given to ``run`` (fsspec URL) or None; this
+        job's checkpoints go to its folder ``<checkpoint_dir>/<run_id>`` in it.
     checkpoint_options : the ``checkpoint_options=`` given to ``run`` (fsspec storage options; not in the repr).
     """
 

@@ -150,7 +150,9 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         number of workers (waiting up to ``ddp.restart-wait`` seconds for
         them), or within the elastic bounds of ``workers=(min, max)``.
     checkpoint_dir : str
-        fsspec URL for :func:`dask_ddp.save_checkpoint` / ``load_checkpoint``.
+        fsspec URL for :func:`dask_ddp.save_checkpoint` / ``load_checkpoint``; the job
+        uses its own folder in it, ``<checkpoint_dir>/<run_id>`` (``job.checkpoint_dir``),
+        which its restarts share and other jobs never touch.
     checkpoint_options : dict
         fsspec storage options for ``checkpoint_dir`` (endpoint, credentials).
     timeout : float

@@ -22,6 +22,7 @@ from typing import Iterator
 import dask
 import pandas as pd
 
+from .checkpoint import job_folder
 from .cluster import DaskCluster
 from .controller import Attempt, Controller
 from .progress import Progress
@@ -41,6 +42,11 @@ class Job:
     Attributes
     ----------
     run_id : str
+        The job's id (name made safe plus 8 random hex); it names its checkpoint folder.
+    checkpoint_dir : str or None
+        This job's own checkpoint folder, ``<checkpoint_dir>/<run_id>`` (None without
+        ``checkpoint_dir=``): pass it as ``directory=`` to load this job's checkpoints
+        elsewhere, e.g. to resume it in a later job.
     state : str
         PENDING, RUNNING, RESTARTING, FINISHED, FAILED or CANCELLED.
     history : list of (time, old, new, cause)
@@ -64,6 +70,12 @@ class Job:
         return self
 
     # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> str | None:
+        if self.spec.checkpoint_dir is None:
+            return None
+        return job_folder(self.spec.checkpoint_dir, self.run_id)
+
     @property
     def state(self) -> str:
         return self._record.state

@@ -125,7 +125,7 @@ def masked(storage_options: Mapping[str, Any] | None) -> dict:
 
 
 def without_userinfo(url: str) -> str:
-    """``s3://key:secret@bucket/x`` -> ``s3://bucket/x``: a URL to hand back, usable with storage options."""
+    """``s3://key:secret@bucket/x`` -> ``s3://bucket/x``: a URL to hand back (with options); raises nothing."""
     return re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1", url)
 
 

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 
 import fsspec
 import numpy as np
@@ -249,7 +250,7 @@ def test_only_rank_zero_writes(tmp_path, as_rank):
     assert ck.save_checkpoint({"step": 1}, 1) is None
     assert os.listdir(tmp_path) == []
     as_rank(0, checkpoint_dir=str(tmp_path))
-    assert ck.save_checkpoint({"step": 1}, 1) == f"{tmp_path}/step-000000001.pt"
+    assert ck.save_checkpoint({"step": 1}, 1) == f"{tmp_path}/test/step-000000001.pt"  # the job's own folder
     as_rank(1, checkpoint_dir=str(tmp_path))
     assert ck.load_checkpoint() == {"step": 1}  # every rank reads
 
@@ -258,7 +259,7 @@ def test_all_ranks_names_and_completeness(tmp_path, as_rank):
     directory = str(tmp_path)
     as_rank(1, checkpoint_dir=directory)
     url = ck.save_checkpoint({"rank": 1}, 5, all_ranks=True)
-    assert url == f"{directory}/step-000000005.rank-00001-of-00002.pt"
+    assert url == f"{directory}/test/step-000000005.rank-00001-of-00002.pt"
     assert ck.load_checkpoint(all_ranks=True) is None  # rank 0 has not written step 5 yet
     as_rank(0, checkpoint_dir=directory)
     ck.save_checkpoint({"rank": 0}, 5, all_ranks=True)
@@ -272,7 +273,7 @@ def test_all_ranks_names_and_completeness(tmp_path, as_rank):
             ck.save_checkpoint({"rank": rank, "step": step}, step, all_ranks=True, keep=1)
     assert [c.step for c in ck.list_checkpoints(all_ranks=True)] == [7]
     # each rank prunes its own files; rank 0 wrote step 7 before it was complete, so keeps 6 too
-    assert sorted(n.rsplit(".", 1)[0] for n in os.listdir(tmp_path) if n.endswith(".done")) == [
+    assert sorted(n.rsplit(".", 1)[0] for n in os.listdir(tmp_path / "test") if n.endswith(".done")) == [
         "step-000000006.rank-00000-of-00002", "step-000000007.rank-00000-of-00002",
         "step-000000007.rank-00001-of-00002"]
 
@@ -280,7 +281,7 @@ def test_all_ranks_names_and_completeness(tmp_path, as_rank):
 def test_context_supplies_directory_and_storage_options(s3, as_rank):
     directory = f"s3://{s3['bucket']}/job"
     as_rank(0, checkpoint_dir=directory, checkpoint_options=s3["storage_options"])
-    assert ck.save_checkpoint({"a": 1}, 1) == f"{directory}/step-000000001.pt"
+    assert ck.save_checkpoint({"a": 1}, 1) == f"{directory}/test/step-000000001.pt"
     assert ck.load_checkpoint() == {"a": 1}
 
 
@@ -328,5 +329,85 @@ def test_credentials_never_reach_returned_urls_or_markers(s3):
     assert len(markers) == 2
     for text in markers:
         assert key not in text and secret not in text and "endpoint" not in text
-        assert set(json.loads(text)) == {"format", "step", "file", "bytes", "rank", "world_size", "time"}
+        assert set(json.loads(text)) == {"format", "step", "file", "bytes", "rank", "world_size", "run_id", "time"}
     assert ck.load_checkpoint(f"s3://{s3['bucket']}/run", storage_options=s3["storage_options"]) == {"a": 2}
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path, as_rank):
+    as_rank(0, checkpoint_dir=str(tmp_path))
+    for step in (10, 11):  # e.g. left by an attempt that got further than this one
+        ck.save_checkpoint({"step": step}, step)
+    url = ck.save_checkpoint({"step": 5}, 5, keep=1)
+    assert os.path.exists(url), os.listdir(os.path.dirname(url))
+    assert ck.load_checkpoint(step=5) == {"step": 5}
+    assert [c.step for c in ck.list_checkpoints()] == [5, 11]  # 10 went: older than the newest kept
+    url = ck.save_checkpoint({"step": 12}, 12, keep=1)
+    assert [c.step for c in ck.list_checkpoints()] == [12] and os.path.exists(url)
+
+
+def save_beside_another_job(tag, steps, sync_dir):
+    """A rank of one of two jobs that share a name and a checkpoint_dir: saves ``steps`` with keep=2."""
+    import dask_ddp
+
+    open(os.path.join(sync_dir, tag), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(sync_dir)) < 2:  # both jobs are running: their saves interleave
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other job never started")
+        time.sleep(0.02)
+    saved = []
+    for step in steps:
+        url = dask_ddp.save_checkpoint({"tag": tag, "step": step}, step, keep=2)
+        saved.append((url, os.path.exists(url)))
+        time.sleep(0.05)
+    return {"saved": saved, "steps": [c.step for c in ck.list_checkpoints()], "loaded": dask_ddp.load_checkpoint(),
+            "run_id": dask_ddp.get_context().run_id}
+
+
+def resume_from(directory):
+    import dask_ddp
+
+    return {"previous": dask_ddp.load_checkpoint(directory), "own": dask_ddp.load_checkpoint()}
+
+
+def fail_once_after_saving():
+    import dask_ddp
+
+    ctx = dask_ddp.get_context()
+    if ctx.restart_count == 0:
+        dask_ddp.save_checkpoint({"saved_by_attempt": 0}, 1, keep=1)
+        raise RuntimeError("planned failure of the first attempt")
+    return {"loaded": dask_ddp.load_checkpoint(), "run_id": ctx.run_id}
+
+
+def test_a_restart_resumes_from_its_own_jobs_folder(client, tmp_path):
+    from _cluster import run
+
+    job = run(client, fail_once_after_saving, workers=1, max_restarts=1, checkpoint_dir=str(tmp_path))
+    assert job.result(timeout=120)[0] == {"loaded": {"saved_by_attempt": 0}, "run_id": job.run_id}
+    assert os.listdir(tmp_path) == [job.run_id]
+
+
+def test_two_jobs_sharing_name_and_checkpoint_dir_stay_apart(client, tmp_path):
+    from _cluster import leftover_processes, run
+
+    ckdir, sync = str(tmp_path / "ckpt"), tmp_path / "sync"
+    sync.mkdir()
+    first, second = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    steps = {"a": [1, 2, 3, 4, 5], "b": [3, 4, 5, 6, 7]}
+    jobs = {tag: run(client, save_beside_another_job, tag, steps[tag], str(sync), workers=[where], name="same-name",
+                     checkpoint_dir=ckdir) for tag, where in (("a", first), ("b", second))}
+    results = {tag: job.result(timeout=120)[0] for tag, job in jobs.items()}
+    for tag, got in results.items():
+        assert all(existed for _, existed in got["saved"]), got["saved"]  # never a URL of a file it deleted
+        assert got["loaded"] == {"tag": tag, "step": steps[tag][-1]}
+        assert got["steps"] == steps[tag][-2:]  # keep=2 counted this job's steps only
+        assert got["run_id"] == jobs[tag].run_id and got["run_id"].startswith("same-name-")
+        assert all(url.startswith(f"{ckdir}/{got['run_id']}/") for url, _ in got["saved"])
+    assert sorted(os.listdir(ckdir)) == sorted(job.run_id for job in jobs.values())
+    # a previous job is resumed by its folder: job.checkpoint_dir (or f"{checkpoint_dir}/{run_id}")
+    assert jobs["a"].checkpoint_dir == f"{ckdir}/{jobs['a'].run_id}"
+    assert ck.load_checkpoint(jobs["a"].checkpoint_dir) == {"tag": "a", "step": 5}
+    later = run(client, resume_from, jobs["b"].checkpoint_dir, workers=1, name="same-name", checkpoint_dir=ckdir)
+    assert later.result(timeout=120)[0] == {"previous": {"tag": "b", "step": 7}, "own": None}
+    assert leftover_processes(client) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import pathlib
 import re
 
 import pytest
@@ -25,11 +26,13 @@ def test_demo_end_to_end(tmp_path):
         assert re.search(rf"\[rank 0\] epoch {epoch}/5: loss \d+\.\d+, train accuracy", text)
     accuracy = float(re.search(r"test accuracy: (\d\.\d+) \((\d+)/360 test images\)", text).group(1))
     assert accuracy >= 0.9, text
-    checkpoint = out_dir / "checkpoints" / "step-000000005.pt"
-    assert f"checkpoint: {checkpoint}" in text and checkpoint.exists()
-    state = dask_ddp.load_checkpoint(str(out_dir / "checkpoints"))
+    checkpoint = pathlib.Path(re.search(r"checkpoint: (\S+)", text).group(1))
+    job_folder = checkpoint.parent  # the job's own folder: <checkpoint_dir>/<run_id>
+    assert checkpoint.name == "step-000000005.pt" and checkpoint.exists()
+    assert job_folder.parent == out_dir / "checkpoints" and job_folder.name.startswith("demo-")
+    state = dask_ddp.load_checkpoint(str(job_folder))
     assert state["epoch"] == 5 and "0.weight" in state["model"]
-    assert [c.step for c in dask_ddp.checkpoint.list_checkpoints(str(out_dir / "checkpoints"))] == [4, 5]  # keep=2
+    assert [c.step for c in dask_ddp.checkpoint.list_checkpoints(str(job_folder))] == [4, 5]  # keep=2
     with open(out_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert f"metrics: {out_dir / 'metrics.csv'} ({len(rows)} rows" in text
@@ -60,7 +63,8 @@ def test_demo_reads_given_data_and_uses_a_given_scheduler(s3, tmp_path):
     assert f"using the images under {url}" in lines
     assert any("320 train / 80 test images" in line for line in lines)
     assert 0 <= result["test_accuracy"] <= 1
-    assert result["checkpoint"] == str(tmp_path / "checkpoints" / "step-000000002.pt")
+    checkpoint = pathlib.Path(result["checkpoint"])  # in the job's own folder: <checkpoint_dir>/<run_id>
+    assert checkpoint.name == "step-000000002.pt" and checkpoint.parent.parent == tmp_path / "checkpoints"
     assert result["metrics"] == str(tmp_path / "metrics.csv")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import os
 import re
 import subprocess
 import sys
@@ -57,7 +58,9 @@ def test_train_resnet_s3(client, s3, tmp_path):
     metrics = result["metrics"]
     assert sorted(metrics["rank"].unique()) == [0, 1] and len(metrics) == 4  # 12 images per rank, batches of 8
     assert {"loss", "accuracy", "epoch"} <= set(metrics.columns)
-    state = dask_ddp.load_checkpoint(str(tmp_path / "ckpt"))
+    folder = os.path.dirname(result["checkpoint"])  # the job's own: <checkpoint_dir>/<run_id>
+    assert os.path.dirname(folder) == str(tmp_path / "ckpt")
+    state = dask_ddp.load_checkpoint(folder)
     assert state["epoch"] == 1 and state["classes"] == ["blue", "red"]
     assert state["model"]["fc.weight"].shape == (2, 512)
     assert leftover_processes(client) == []
