@@ -31,6 +31,8 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from dask_ddp.network import IFNAME_VARIABLES
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 K8S = DOCKER / "kubernetes"
@@ -260,11 +262,12 @@ def check_scheduler_address(c: Cluster):
 
 
 def check_network_env(c: Cluster):
-    for ctr in c.worker_pod["containers"]:
-        env = env_of(ctr)
-        names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if c.flavour == "gpu" else [])
-        for name in names:
-            assert env.get(name, {}).get("value"), f"{c}: worker {ctr['name']!r} lacks {name}"
+    # dask-ddp points gloo/NCCL/TensorPipe at the interface of each worker's address; a fixed name
+    # (eth0) is wrong under hostNetwork, Multus or another CNI, and would override that choice.
+    for pod in (c.worker_pod, c.scheduler_pod):
+        for ctr in containers(pod):
+            fixed = sorted(set(env_of(ctr)) & set(IFNAME_VARIABLES))
+            assert not fixed, f"{c}: {ctr['name']!r} hard-codes {fixed}; dask-ddp picks the worker's interface"
 
 
 SEMANTIC_CHECKS = [check_gpu_on_workers_only, check_dev_shm, check_worker_command, check_scheduler_command,
@@ -339,6 +342,15 @@ def test_vendored_crds_match_installed_dask_kubernetes():
 @pytest.mark.parametrize("cluster", yaml_clusters(), ids=repr)
 def test_cluster(cluster, check):
     check(cluster)
+
+
+@pytest.mark.parametrize("variable", IFNAME_VARIABLES)
+def test_network_env_check_rejects_a_fixed_interface(variable):
+    cluster = copy.deepcopy(clusters_in(K8S / "daskcluster-gpu.yaml")[0])
+    check_network_env(cluster)
+    cluster.worker_pod["containers"][0]["env"].append({"name": variable, "value": "eth0"})
+    with pytest.raises(AssertionError, match=f"hard-codes \\['{variable}'\\]"):
+        check_network_env(cluster)
 
 
 @pytest.mark.parametrize("cluster", yaml_clusters(), ids=repr)

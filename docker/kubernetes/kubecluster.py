@@ -7,8 +7,8 @@ cluster, and the dask-kubernetes operator installed there::
 
 ``KubeCluster(resources=...)`` would put the GPU limit on the scheduler too, so
 the recipe builds the spec with ``make_cluster_spec`` and then gives the
-workers, and only the workers, one GPU, a memory-backed ``/dev/shm`` and the
-NCCL settings, and every pod the Pod Security "restricted" settings and a
+workers, and only the workers, one GPU and a memory-backed ``/dev/shm``, and
+every pod the Pod Security "restricted" settings and a
 memory limit: the same cluster as ``daskcluster-gpu.yaml``.
 """
 
@@ -28,10 +28,8 @@ import train as example  # noqa: E402  (docker/kubernetes/train.py; dask-ddp shi
 
 WORKER_ENV = [
     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"},
-    {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"},
     {"name": "NCCL_DEBUG", "value": "WARN"},
-]
+]  # no *_SOCKET_IFNAME: dask-ddp sets them to the interface of each worker's address
 UID = 10001  # the images' `ddp` user: USER 10001:10001 in docker/Dockerfile
 # Pod Security "restricted", as in the manifests (README.md).
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}}
