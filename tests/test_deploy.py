@@ -5,7 +5,9 @@ The manifests are validated against the dask-kubernetes operator's CRD schemas
 for unknown fields, nulls and list-maps, then checked for what DDP needs: a GPU
 per worker and none on the scheduler, a memory-backed /dev/shm, `dask cuda
 worker`, a scheduler address that names the cluster, a NetworkPolicy that lets
-the pods reach each other on any port. The Dockerfiles are linted with hadolint
+the pods reach each other on any port. Every pod, including the recipe's, must
+meet the Pod Security "restricted" profile, run as the image's uid, have memory
+limits and no service account token. The Dockerfiles are linted with hadolint
 and checked for pinned bases, a numeric non-root user and no pip cache.
 """
 
@@ -28,6 +30,8 @@ import jsonschema
 import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
+
+from dask_ddp.network import IFNAME_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -258,11 +262,12 @@ def check_scheduler_address(c: Cluster):
 
 
 def check_network_env(c: Cluster):
-    for ctr in c.worker_pod["containers"]:
-        env = env_of(ctr)
-        names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if c.flavour == "gpu" else [])
-        for name in names:
-            assert env.get(name, {}).get("value"), f"{c}: worker {ctr['name']!r} lacks {name}"
+    # dask-ddp points gloo/NCCL/TensorPipe at the interface of each worker's address; a fixed name
+    # (eth0) is wrong under hostNetwork, Multus or another CNI, and would override that choice.
+    for pod in (c.worker_pod, c.scheduler_pod):
+        for ctr in containers(pod):
+            fixed = sorted(set(env_of(ctr)) & set(IFNAME_VARIABLES))
+            assert not fixed, f"{c}: {ctr['name']!r} hard-codes {fixed}; dask-ddp picks the worker's interface"
 
 
 SEMANTIC_CHECKS = [check_gpu_on_workers_only, check_dev_shm, check_worker_command, check_scheduler_command,
@@ -339,6 +344,15 @@ def test_cluster(cluster, check):
     check(cluster)
 
 
+@pytest.mark.parametrize("variable", IFNAME_VARIABLES)
+def test_network_env_check_rejects_a_fixed_interface(variable):
+    cluster = copy.deepcopy(clusters_in(K8S / "daskcluster-gpu.yaml")[0])
+    check_network_env(cluster)
+    cluster.worker_pod["containers"][0]["env"].append({"name": variable, "value": "eth0"})
+    with pytest.raises(AssertionError, match=f"hard-codes \\['{variable}'\\]"):
+        check_network_env(cluster)
+
+
 @pytest.mark.parametrize("cluster", yaml_clusters(), ids=repr)
 def test_scheduler_service_selects_its_cluster(cluster):
     service = cluster.spec["scheduler"]["service"]
@@ -397,6 +411,229 @@ def test_networkpolicy_lets_every_cluster_talk_to_itself():
         assert any("ports" not in r and {"podSelector": {"matchLabels": {"dask.org/cluster-name": cluster.name}}}
                    in r["from"] for r in rules), f"{cluster.name}: no all-ports rule among the cluster's own pods"
         assert any(p["port"] == 8786 for r in rules for p in r.get("ports", [])), f"{cluster.name}: 8786 unreachable"
+
+
+# --------------------------------------------------------------------------- Pod Security "restricted"
+#
+# The rules are the Pod Security Standards' "restricted" profile, which includes "baseline": the
+# "Restricted Fields" and "Allowed Values" of each control at
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/#restricted
+# Checked: host namespaces (hostNetwork/hostPID/hostIPC), privileged, capabilities (drop ALL, add at
+# most NET_BIND_SERVICE), host ports, volume types (hostPath excluded), allowPrivilegeEscalation: false,
+# runAsNonRoot: true, runAsUser not 0, seccompProfile RuntimeDefault or Localhost (pod or container
+# level: a container's setting overrides its pod's). Stricter than the profile, because nothing here
+# needs them: no seLinuxOptions, procMount, sysctls or windowsOptions at all. Beyond the profile: the
+# uid is the image's USER, every container has a memory request and limit, and no pod mounts a service
+# account token (none of them calls the Kubernetes API).
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+SECCOMP_TYPES = {"RuntimeDefault", "Localhost"}
+UNNEEDED = {"seLinuxOptions", "procMount", "sysctls", "windowsOptions"}
+# Where each kind holds its pod specs, by role. A kind missing here fails test_every_pod_is_found.
+POD_PATHS = {
+    "DaskCluster": {"scheduler": ("spec", "scheduler", "spec"), "worker": ("spec", "worker", "spec")},
+    "DaskJob": {"job": ("spec", "job", "spec"), "scheduler": ("spec", "cluster", "spec", "scheduler", "spec"),
+                "worker": ("spec", "cluster", "spec", "worker", "spec")},
+    "NetworkPolicy": {},
+}
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity(text) -> float:
+    """A Kubernetes resource quantity ("32Gi", "500M", "1") in base units."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kMGT]i?)?", str(text))
+    assert m, f"{text!r} is not a quantity these tests read"
+    return float(m[1]) * _UNITS[m[2] or ""]
+
+
+def dig(node, path):
+    for key in path:
+        node = node[key]
+    return node
+
+
+def all_containers(pod: dict) -> list[dict]:
+    return containers(pod) + pod.get("ephemeralContainers", [])
+
+
+def effective(pod: dict, ctr: dict, field: str):
+    """A securityContext field as the kubelet applies it: the container's, else its pod's."""
+    value = ctr.get("securityContext", {}).get(field)
+    return pod.get("securityContext", {}).get(field) if value is None else value
+
+
+def restricted_pod_violations(pod: dict) -> list[str]:
+    out = [f"host namespaces: {f} is set" for f in ("hostNetwork", "hostPID", "hostIPC") if pod.get(f)]
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume types: {volume['name']!r} is {sorted(kinds - RESTRICTED_VOLUMES)}")
+    out += [f"{f}: set on the pod" for f in sorted(UNNEEDED & set(pod.get("securityContext", {})))]
+    return out
+
+
+def restricted_container_violations(pod: dict, ctr: dict) -> list[str]:
+    sc, out = ctr.get("securityContext", {}), []
+    caps = sc.get("capabilities", {})
+    checks = [
+        (not sc.get("privileged"), "privileged: must be false or unset"),
+        (sc.get("allowPrivilegeEscalation") is False, "allowPrivilegeEscalation: must be false"),
+        ("ALL" in caps.get("drop", []), "capabilities: drop must include ALL"),
+        (set(caps.get("add", [])) <= {"NET_BIND_SERVICE"}, f"capabilities: adds {caps.get('add')}"),
+        (not any(p.get("hostPort") for p in ctr.get("ports", [])), "host ports: a hostPort is set"),
+        (effective(pod, ctr, "runAsNonRoot") is True, "runAsNonRoot: must be true"),
+        (effective(pod, ctr, "runAsUser") != 0, "runAsUser: must not be 0"),
+        ((effective(pod, ctr, "seccompProfile") or {}).get("type") in SECCOMP_TYPES,
+         f"seccompProfile: must be one of {sorted(SECCOMP_TYPES)}"),
+    ]
+    out += [message for ok, message in checks if not ok]
+    return out + [f"{f}: set on the container" for f in sorted(UNNEEDED & set(sc))]
+
+
+def deployment_violations(pod: dict, ctr: dict, uid: int) -> list[str]:
+    """What this project asks beyond the profile: the image's uid, memory requests and limits."""
+    res, out = ctr.get("resources", {}), []
+    if effective(pod, ctr, "runAsUser") != uid:
+        out.append(f"runAsUser: {effective(pod, ctr, 'runAsUser')!r}, the image's USER is {uid}")
+    request, limit = res.get("requests", {}).get("memory"), res.get("limits", {}).get("memory")
+    if request is None or limit is None:
+        return out + [f"memory: needs a request and a limit, has requests {request!r} limits {limit!r}"]
+    if quantity(request) > quantity(limit):
+        out.append(f"memory: request {request} above limit {limit}")
+    shm = [v["emptyDir"].get("sizeLimit") for v in pod.get("volumes", []) if v.get("emptyDir", {}).get("medium") == "Memory"]
+    if any(size is None or quantity(size) >= quantity(limit) for size in shm):
+        out.append(f"memory: a memory-backed emptyDir ({shm}) needs a sizeLimit below the limit {limit}")
+    return out
+
+
+def pod_violations(pod: dict, uid_of) -> list[str]:
+    """Every rule above that ``pod`` breaks, as "<container>: <rule>: <why>" (empty: none)."""
+    out = restricted_pod_violations(pod)
+    if pod.get("automountServiceAccountToken") is not False:
+        out.append("automountServiceAccountToken: must be false")
+    for ctr in all_containers(pod):
+        problems = restricted_container_violations(pod, ctr) + deployment_violations(pod, ctr, uid_of(ctr["image"]))
+        out += [f"{ctr['name']}: {p}" for p in problems]
+    return out
+
+
+@cache
+def image_uid(image: str) -> int:
+    """The numeric USER of the Dockerfile that builds ``image`` (see docker/README.md)."""
+    (flavour,) = [f for f, name in IMAGES.items() if name == image] or [None]
+    assert flavour, f"{image} is none of the images docker/README.md builds: {sorted(IMAGES.values())}"
+    users = [rest for word, rest in instructions(DOCKERFILES[flavour]) if word == "USER"]
+    return int(users[-1].split(":")[0])
+
+
+def pods_of(doc: dict) -> dict[str, dict]:
+    assert doc["kind"] in POD_PATHS, f"{doc['kind']}: add where it holds pod specs to POD_PATHS"
+    return {role: dig(doc, path) for role, path in POD_PATHS[doc["kind"]].items()}
+
+
+def yaml_pods() -> list[tuple[str, str, str, dict]]:
+    return [(path.name, f"{doc['kind']}/{doc['metadata']['name']}", role, pod)
+            for path in sorted(K8S.glob("*.yaml")) for doc in load_yaml(path) for role, pod in pods_of(doc).items()]
+
+
+def test_every_pod_is_found():
+    found = {(source, role) for source, _, role, _ in yaml_pods()}
+    wanted = {(name, role) for name in CLUSTER_FILES for role in ("scheduler", "worker")} | {("daskjob.yaml", "job")}
+    assert found == wanted
+
+
+@pytest.mark.parametrize("source, resource, role, pod", yaml_pods(), ids=[f"{s}:{r}:{role}" for s, r, role, _ in yaml_pods()])
+def test_pod_is_restricted(source, resource, role, pod):
+    assert not pod_violations(pod, image_uid), f"{source} {resource} {role}:\n" + "\n".join(pod_violations(pod, image_uid))
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_kubecluster_recipe_pod_is_restricted(kubecluster_recipe, role):
+    pytest.importorskip("dask_kubernetes.operator", reason="the recipe's make_cluster_spec needs dask-kubernetes")
+    spec = kubecluster_recipe.gpu_cluster_spec("dask-ddp-gpu", IMAGES["gpu"], n_workers=2)
+    pod = dig(spec, POD_PATHS["DaskCluster"][role])
+    assert not pod_violations(pod, image_uid), "\n".join(pod_violations(pod, image_uid))
+    assert kubecluster_recipe.UID == image_uid(IMAGES["gpu"])
+
+
+def _on_pod(role, change):
+    """A mutation of the DaskJob manifest: ``change(pod, container)`` on the pod of ``role`` and its first container."""
+    def mutate(doc):
+        pod = dig(doc, POD_PATHS["DaskJob"][role])
+        change(pod, pod["containers"][0])
+    return mutate
+
+
+def _set(*path, value):
+    def change(pod, ctr):
+        node = {"pod": pod, "ctr": ctr}
+        for key in path[:-1]:
+            node = node[key] if isinstance(node, list) else node.setdefault(key, {})
+        node[path[-1]] = value
+    return change
+
+
+def _delete(*path):
+    def change(pod, ctr):
+        dig({"pod": pod, "ctr": ctr}, path[:-1]).pop(path[-1])
+    return change
+
+
+def _add_volume(volume, mount_path):
+    def change(pod, ctr):
+        pod.setdefault("volumes", []).append(volume)
+        ctr.setdefault("volumeMounts", []).append({"name": volume["name"], "mountPath": mount_path})
+    return change
+
+
+RULE_BREAKERS = [  # (role, change, the violation it must cause)
+    ("worker", _set("pod", "hostNetwork", value=True), "host namespaces: hostNetwork"),
+    ("worker", _set("pod", "hostPID", value=True), "host namespaces: hostPID"),
+    ("scheduler", _set("pod", "hostIPC", value=True), "host namespaces: hostIPC"),
+    ("worker", _set("ctr", "securityContext", "privileged", value=True), "privileged:"),
+    ("job", _delete("ctr", "securityContext", "allowPrivilegeEscalation"), "allowPrivilegeEscalation:"),
+    ("worker", _set("ctr", "securityContext", "allowPrivilegeEscalation", value=True), "allowPrivilegeEscalation:"),
+    ("scheduler", _set("ctr", "securityContext", "capabilities", "drop", value=["NET_RAW"]), "drop must include ALL"),
+    ("worker", _set("ctr", "securityContext", "capabilities", "add", value=["SYS_ADMIN"]), "capabilities: adds"),
+    ("worker", _set("ctr", "ports", 0, "hostPort", value=8788), "host ports:"),
+    ("worker", _add_volume({"name": "host", "hostPath": {"path": "/"}}, "/host"), "volume types: 'host'"),
+    ("job", _add_volume({"name": "nfs", "nfs": {"server": "nfs", "path": "/"}}, "/data"), "volume types: 'nfs'"),
+    ("job", _delete("pod", "securityContext", "runAsNonRoot"), "runAsNonRoot:"),
+    ("worker", _set("ctr", "securityContext", "runAsNonRoot", value=False), "runAsNonRoot:"),  # overrides the pod's
+    ("scheduler", _set("pod", "securityContext", "runAsUser", value=0), "runAsUser: must not be 0"),
+    ("worker", _set("ctr", "securityContext", "runAsUser", value=1000), "the image's USER is"),
+    ("job", _delete("pod", "securityContext", "seccompProfile"), "seccompProfile:"),
+    ("worker", _set("ctr", "securityContext", "seccompProfile", value={"type": "Unconfined"}), "seccompProfile:"),
+    ("worker", _set("pod", "securityContext", "seLinuxOptions", value={"level": "s0"}), "seLinuxOptions:"),
+    ("worker", _set("pod", "securityContext", "sysctls", value=[{"name": "net.core.somaxconn", "value": "1024"}]),
+     "sysctls:"),
+    ("scheduler", _delete("ctr", "resources", "limits", "memory"), "memory: needs a request and a limit"),
+    ("job", _delete("ctr", "resources", "requests", "memory"), "memory: needs a request and a limit"),
+    ("worker", _set("ctr", "resources", "requests", "memory", value="64Gi"), "memory: request 64Gi above limit"),
+    ("worker", _set("pod", "volumes", 0, "emptyDir", "sizeLimit", value="32Gi"), "memory: a memory-backed emptyDir"),
+    ("job", _delete("pod", "automountServiceAccountToken"), "automountServiceAccountToken:"),
+    ("worker", _set("pod", "automountServiceAccountToken", value=True), "automountServiceAccountToken:"),
+]
+
+
+@pytest.mark.parametrize("role, change, expected", RULE_BREAKERS, ids=[f"{r}-{e}" for r, _, e in RULE_BREAKERS])
+def test_restricted_checker_rejects_a_broken_pod(role, change, expected):
+    (doc,) = load_yaml(K8S / "daskjob.yaml")
+    assert not any(expected in v for v in pod_violations(dig(doc, POD_PATHS["DaskJob"][role]), image_uid))
+    _on_pod(role, change)(doc)
+    violations = pod_violations(dig(doc, POD_PATHS["DaskJob"][role]), image_uid)
+    assert any(expected in v for v in violations), violations
+
+
+def test_restricted_checker_reads_the_pod_level_settings():
+    # Pod-level seccompProfile and runAsNonRoot cover the containers; a container's own setting wins.
+    (doc,) = load_yaml(K8S / "daskjob.yaml")
+    pod = dig(doc, POD_PATHS["DaskJob"]["worker"])
+    pod["containers"][0]["securityContext"].update(seccompProfile={"type": "Localhost", "localhostProfile": "p.json"})
+    pod["securityContext"].pop("seccompProfile")
+    assert not pod_violations(pod, image_uid)
 
 
 # --------------------------------------------------------------------------- tests: the Python recipe and the script

@@ -7,13 +7,15 @@ cluster, and the dask-kubernetes operator installed there::
 
 ``KubeCluster(resources=...)`` would put the GPU limit on the scheduler too, so
 the recipe builds the spec with ``make_cluster_spec`` and then gives the
-workers, and only the workers, one GPU, a memory-backed ``/dev/shm`` and the
-NCCL settings: the same cluster as ``daskcluster-gpu.yaml``.
+workers, and only the workers, one GPU and a memory-backed ``/dev/shm``, and
+every pod the Pod Security "restricted" settings and a
+memory limit: the same cluster as ``daskcluster-gpu.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -26,10 +28,16 @@ import train as example  # noqa: E402  (docker/kubernetes/train.py; dask-ddp shi
 
 WORKER_ENV = [
     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"},
-    {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"},
     {"name": "NCCL_DEBUG", "value": "WARN"},
-]
+]  # no *_SOCKET_IFNAME: dask-ddp sets them to the interface of each worker's address
+UID = 10001  # the images' `ddp` user: USER 10001:10001 in docker/Dockerfile
+# Pod Security "restricted", as in the manifests (README.md).
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+SCHEDULER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+# /dev/shm is memory-backed and counts against the worker's memory limit.
+WORKER_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi"},
+                    "limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}}  # the GPU a string, as the CRD types it
 
 
 def gpu_cluster_spec(name: str, image: str, n_workers: int, shm_size: str = "8Gi") -> dict:
@@ -43,15 +51,26 @@ def gpu_cluster_spec(name: str, image: str, n_workers: int, shm_size: str = "8Gi
     # make_cluster_spec runs `dask-scheduler`, a script distributed no longer installs.
     for container in spec["spec"]["scheduler"]["spec"]["containers"]:
         container["args"] = ["dask", "scheduler"]
+        container["resources"] = copy.deepcopy(SCHEDULER_RESOURCES)
     pod = spec["spec"]["worker"]["spec"]
     pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     # Memory-backed: NCCL's shared-memory transport and DataLoader workers need more than 64 MiB.
     pod["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}]
     for container in pod["containers"]:
-        container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}  # a string, as the CRD types it
+        container["resources"] = copy.deepcopy(WORKER_RESOURCES)
         container["env"] = [dict(item) for item in WORKER_ENV]
         container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    for role in ("scheduler", "worker"):
+        _restrict(spec["spec"][role]["spec"])
     return spec
+
+
+def _restrict(pod: dict) -> None:
+    """Pod Security "restricted" settings, and no service account token: no pod here calls the Kubernetes API."""
+    pod["automountServiceAccountToken"] = False
+    pod["securityContext"] = copy.deepcopy(POD_SECURITY)
+    for container in pod["containers"]:
+        container["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
 
 
 def _drop_nulls(node):
