@@ -61,7 +61,7 @@ class Context:
     worker: str = ""
     master_addr: str = ""
     master_port: int = 0
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = field(default=None, repr=False)  # its URL may carry credentials (userinfo)
     checkpoint_options: dict = field(default_factory=dict, repr=False)
 
     @property

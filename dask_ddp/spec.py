@@ -36,7 +36,7 @@ class LaunchSpec:
     worker_timeout: float | None = 6
     max_restarts: int = 0
     restart_wait: float = 60
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = field(default=None, repr=False)  # its URL may carry credentials (userinfo)
     checkpoint_options: dict = field(default_factory=dict, repr=False)  # may hold credentials
     progress: bool = True
     total: int | None = None

@@ -39,7 +39,7 @@ class RankTask:
     poll_interval: float = 0.25
     flush_interval: float = 1.0
     max_restarts: int = 0
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = field(default=None, repr=False)  # its URL may carry credentials (userinfo)
     checkpoint_options: dict = field(default_factory=dict, repr=False)  # may hold credentials
     # a job that may restart keeps its workers' next spares warm while it runs: a restart then starts at once
     # (a job that cannot restart starts them when it ends, so that they never compete with training)
