@@ -1,5 +1,7 @@
 """``S3ImageFolder``: torchvision's ``ImageFolder`` over any fsspec URL (``s3://``, ``file://``, ``memory://``).
 
+Runs in: the rank process and its DataLoader workers (built on the client or in a rank).
+
 The bucket is listed once, at construction. The listing (a :class:`FolderIndex`)
 and the samples derived from it travel inside the pickled dataset, so ranks and
 DataLoader workers never list again. Each process opens its own filesystem

@@ -1,5 +1,7 @@
 """Ready callbacks that write a job's metrics somewhere, and the plot behind :meth:`Job.plot`.
 
+Runs in: the client, in the job's watcher thread.
+
 Pass them to ``dask_ddp.dispatch.run(..., callbacks=[...])``::
 
     sinks = [JSONLinesSink("s3://bucket/runs/a.jsonl"), CSVSink("metrics.csv"),
