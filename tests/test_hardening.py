@@ -49,10 +49,13 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
     proc = subprocess.Popen([sys.executable, "-c", NOTEBOOK, client.scheduler.address, how],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "running", proc.stderr.read()
+        lines = (line.strip() for line in proc.stdout)  # the ranks' echoed output comes first
+        if next((line for line in lines if line == "running"), None) is None:
+            proc.kill()
+            pytest.fail(f"the notebook did not start its job: {proc.stderr.read()}")
         assert len(running_ranks(client)) == 2
         if how == "close":
-            assert proc.stdout.readline().strip() == "closed"
+            assert next((line for line in lines if line == "closed"), None) == "closed"
         else:
             proc.send_signal(signal.SIGKILL)
         gone_at = time.monotonic()
