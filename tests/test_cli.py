@@ -136,6 +136,7 @@ def test_unreachable_scheduler_exits_1():
 
 # ---- on a local cluster that the command starts --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_run_torchrun_script_on_a_local_cluster():
     out = run_cli("run", "--workers", "2", TORCHRUN_SCRIPT, "--steps", "20")
     assert out.returncode == 0, out.stderr
@@ -146,6 +147,7 @@ def test_run_torchrun_script_on_a_local_cluster():
     assert "Traceback" not in out.stderr  # the scheduler's polling noise is filtered
 
 
+@pytest.mark.slow
 def test_ctrl_c_cancels_the_job_and_exits_130(tmp_path):
     script = write(tmp_path, "forever.py", """
         import time
@@ -192,6 +194,7 @@ ENV_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_run_against_a_scheduler_with_args_for_the_script(cluster, tmp_path):
     address, client = cluster
     script = write(tmp_path, "show_env.py", ENV_SCRIPT)
@@ -209,6 +212,7 @@ def test_run_against_a_scheduler_with_args_for_the_script(cluster, tmp_path):
     assert leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_every_worker_by_default_and_too_many_workers(cluster, tmp_path):
     address, client = cluster
     script = write(tmp_path, "show_env.py", ENV_SCRIPT)
@@ -248,6 +252,7 @@ def test_a_failing_rank_exits_1_with_the_root_cause(cluster, tmp_path):
     assert leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_sys_exit_codes(cluster, tmp_path):
     address, client = cluster
     script = write(tmp_path, "exits.py", """

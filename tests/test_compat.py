@@ -152,6 +152,7 @@ def local_rank_and_limits(tag, local_rank):
     return out
 
 
+@pytest.mark.slow
 def test_pass_local_rank_and_a_checkpoint_sized_result_is_refused(client, tmp_path):
     futures = dispatch.run(client, local_rank_and_limits, "t", backend="gloo", pass_local_rank=True)
     out = client.gather(futures)

@@ -317,6 +317,7 @@ def test_undecodable_object_names_its_url_in_process_and_in_a_worker(s3):
         list(loader)
 
 
+@pytest.mark.slow
 def test_transient_errors_are_retried(counted, caplog):
     recorder, url, opts = counted
     ds = S3ImageFolder(url, transform=ToTensor(), storage_options=opts, retries=2)
@@ -412,7 +413,7 @@ def test_index_is_reusable_without_listing(counted):
         S3ImageFolder(url, index=index, retries=-1)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow), "forkserver"])
 def test_dataloader_workers_in_every_start_method(s3, context):
     url = _put_s3(s3, TREE)
     ds = S3ImageFolder(url, transform=ToTensor(), storage_options=s3["storage_options"])

@@ -11,6 +11,7 @@ import pytest
 from test_cli import run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_end_to_end(tmp_path):
     import dask_ddp
@@ -42,6 +43,7 @@ def test_demo_end_to_end(tmp_path):
     print(f"demo: test accuracy {accuracy:.3f}, {out.seconds:.0f} s", text.splitlines()[-3])
 
 
+@pytest.mark.slow
 def test_demo_reads_given_data_and_uses_a_given_scheduler(s3, tmp_path):
     """``--data`` (an existing tree, a subset of the digits) and ``--scheduler``, through the Python entry point."""
     from dask.distributed import Client, LocalCluster

@@ -46,6 +46,7 @@ def upload_images(s3, prefix: str, per_class: int = 12) -> str:
     return f"s3://{s3['bucket']}/{prefix}"
 
 
+@pytest.mark.slow
 def test_train_resnet_s3(client, s3, tmp_path):
     import dask_ddp
 
@@ -80,6 +81,7 @@ def final_loss(text: str) -> float:
     return float(re.search(r"done: world size 2, final loss ([0-9.]+), ranks agree: True", text).group(1))
 
 
+@pytest.mark.slow
 def test_torchrun_script_under_torchrun_and_under_dask_ddp(client):
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():

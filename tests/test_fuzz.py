@@ -85,6 +85,7 @@ class FakeWorker:
 @settings(max_examples=1000, deadline=None)
 @given(lines=st.lists(LONG_TEXT, max_size=5),
        items=st.lists(st.dictionaries(TEXT, st.one_of(NUMBERS, TEXT, st.none()), max_size=4), max_size=5))
+@pytest.mark.slow
 def test_the_relay_never_publishes_what_msgpack_refuses(lines, items):
     """The worker-side guard: whatever reaches the relay (say, from a rank of another dask-ddp version)."""
     worker = FakeWorker()

@@ -134,6 +134,7 @@ def busy(client, tmp_path_factory):
             "recorder": recorder, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
+@pytest.mark.slow
 def test_every_report_arrives_in_order(busy):
     job, m = busy["job"], busy["job"].metrics
     assert busy["values"] == [0, 1] and job.state == "FINISHED"
@@ -278,6 +279,7 @@ def steady_then_lone(seconds, quiet):
     time.sleep(1.0)
 
 
+@pytest.mark.slow
 def test_reports_go_in_few_batches_and_a_lone_report_at_once(client):
     """Each batch costs the worker, scheduler and client ~2 ms whatever its size: a rank reporting all the time sends
     one batch per ddp.events.flush-interval, and a report after a quiet spell goes at the next 0.1 s tick, not an

@@ -50,6 +50,7 @@ def test_the_store_listens_on_the_workers_address_only_and_collectives_use_its_i
     assert said and said[0].startswith("[rank 0]"), job.logs[-20:]
 
 
+@pytest.mark.slow
 def test_the_users_interface_setting_wins():
     with local_client(2, env={"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "eth9"}) as own:
         got = run(own, _where_rank_listens).result(timeout=120)

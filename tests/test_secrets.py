@@ -46,6 +46,7 @@ def _topics(dask_scheduler=None) -> str:
     return repr({name: list(topic.events) for name, topic in dask_scheduler._broker._topics.items()})
 
 
+@pytest.mark.slow
 def test_planted_credentials_appear_in_no_channel(client, s3):
     endpoint, bucket = s3["endpoint"], s3["bucket"]
     options = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint}}
