@@ -15,17 +15,17 @@ calls ``init_process_group("gloo")`` itself. Two ranks, gloo, CPU, and
    * dask-ddp: a ``LocalCluster(n_workers=2, threads_per_worker=1)``, warmed by
      one job; time from ``run()`` to ``result()`` returning. "Warm": before
      each job the benchmark sleeps ``--refill-wait`` seconds (default 6) and
-     then also waits until each worker's spare rank process (started when the
-     previous job ended) reports that it has imported torch.
-   * dask-ddp back-to-back: the same jobs with no pause in between: each job
-     takes its worker's spare while it is still starting and waits for it.
+     then also waits until each worker's zygote (which forks the ranks; with
+     ``ddp.zygote: false``, the spare rank process) has imported torch.
+   * dask-ddp back-to-back: the same jobs with no pause in between (ranks are
+     forked from the zygote: no job waits for an ``import torch``).
    * torchrun: ``torchrun --standalone --nproc-per-node 2 script.py``, the
      whole subprocess's wall time (what a user waits for).
 
    The breakdown table times, inside the ranks, when the training function
    starts and how long its first ``DDP(...)`` takes: in torch 2.14 the first
    ``DistributedDataParallel`` of a process imports ``torch._dynamo`` (about
-   900 modules, seconds); dask-ddp's spares import it before a job comes.
+   900 modules, seconds); dask-ddp's zygotes import it before a job comes.
 
 2. Per-step overhead: 300 steps of a small CNN (3x3 convolutions 1->8->16
    channels with max-pooling, then Linear(784, 10), on random 1x28x28 batches
@@ -33,8 +33,7 @@ calls ``init_process_group("gloo")`` itself. Two ranks, gloo, CPU, and
    the loop only (``time.process_time`` too: the CPU seconds of rank 0's
    process, less sensitive to other load on the machine). Each repeat runs
    dask-ddp and torchrun, alternating which goes first. Before each run the
-   benchmark waits until the spares are ready (a worker starts its next spare
-   when a job ends, so no spare starts during a loop).
+   benchmark waits until the zygotes are ready (nothing starts beside a loop).
 
 The final losses of both sides are compared: the same seeds must give the
 same numbers, a check that both sides really ran the same computation.
@@ -170,7 +169,7 @@ def _spare_state(dask_worker=None) -> str:
 
 
 def wait_warm(client, minimum: float = 0.0, limit: float = 90.0) -> float:
-    """Sleep ``minimum`` seconds, then until every worker's spare is ready; return the seconds waited."""
+    """Sleep ``minimum`` seconds, then until every worker's zygote is ready; return the seconds waited."""
     t0 = time.monotonic()
     time.sleep(minimum)
     while True:
@@ -178,7 +177,7 @@ def wait_warm(client, minimum: float = 0.0, limit: float = 90.0) -> float:
         if all(s == "ready" for s in states.values()):
             return time.monotonic() - t0
         if time.monotonic() - t0 > limit:
-            raise RuntimeError(f"spares not ready after {limit} s: {states}")
+            raise RuntimeError(f"zygotes not ready after {limit} s: {states}")
         time.sleep(0.1)
 
 
@@ -337,7 +336,7 @@ def report(args, parts, res, waits, load, total, versions) -> str:
         t_wall = [r["wall"] for r in res["torchrun"]]
         lat, b2b = med(d_wall) / med(t_wall), med(b_wall) / med(t_wall)
         lines += [
-            f"| dispatch latency, warm cluster ({args.refill_wait:g} s pause + spares ready), {L} steps "
+            f"| dispatch latency, warm cluster ({args.refill_wait:g} s pause + zygotes ready), {L} steps "
             f"DDP(Linear(32,32)) | {spread(d_wall)} | {spread(t_wall)} | {lat:.3f} | ≤ 0.25 | {ok(lat, 0.25)} |",
             f"| dispatch latency, back-to-back jobs (no pause) | {spread(b_wall)} | {spread(t_wall)} | "
             f"{b2b:.3f} | (info) | {'yes' if b2b <= 0.25 else 'no'} |"]
@@ -391,7 +390,7 @@ def report(args, parts, res, waits, load, total, versions) -> str:
             for side, keys_ in (("dask-ddp", ("dask", "b2b", "cnn_dask")),
                                 ("torchrun", ("torchrun", "cnn_torchrun")))}
     raw += [
-        "waits for warm spares before warm dask jobs (s): " + ", ".join(f"{x:.1f}" for x in waits),
+        "waits for warm zygotes before warm dask jobs (s): " + ", ".join(f"{x:.1f}" for x in waits),
         "load average (1, 5, 15 min): " + "; ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}/{v[2]:.1f}" for k, v in load.items()),
         f"MALLOC_TRIM_THRESHOLD_ seen by the ranks: dask-ddp {trim['dask-ddp']}, torchrun {trim['torchrun']}",
         f"torchrun runs that exited non-zero and were repeated: {len(TORCHRUN_FAILURES)}"
@@ -411,7 +410,7 @@ def report(args, parts, res, waits, load, total, versions) -> str:
         "Method: see the docstring of `benchmarks/bench_dispatch.py`. Both launchers run the same functions "
         "(torchrun gets their source copied into a script and runs with the environment the benchmark started "
         "with). dask-ddp latency is `run()` to `result()` on a warm 2-worker LocalCluster: before each job the "
-        f"benchmark sleeps {args.refill_wait:g} s and then waits until each worker's spare rank process has "
+        f"benchmark sleeps {args.refill_wait:g} s and then waits until each worker's zygote has "
         "imported torch; the back-to-back row has no pause. torchrun latency is the wall time of the whole "
         "`torchrun --standalone --nproc-per-node 2 script.py` subprocess. The CNN loop is timed inside rank 0 "
         "(perf_counter around the loop only); dask-ddp and torchrun alternate which runs first.",
