@@ -188,23 +188,23 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
 
 
 def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
-    """Start a warm rank process (torch imported) on each worker now, so that the next job starts fast.
+    """Start each worker's zygote (torch imported; it forks the ranks) now, so that the first job starts fast.
 
-    Each worker keeps one such spare anyway after its first job (``ddp.warm-spare``);
-    call this once after the cluster starts to make the first job fast too.
-    Waits until the spares are ready (about the time of one ``import torch``).
+    A worker starts its zygote at its first job anyway and keeps it (``ddp.warm-spare``; with
+    ``ddp.zygote: false``, one spare rank process instead); call this once after the cluster starts
+    to make the first job fast too. Waits until they are ready (about the time of one ``import torch``).
 
     Parameters
     ----------
     workers : None, int or list of str
         As in :func:`run`: every worker (default), the first ``n``, or addresses/names.
     timeout : float
-        Seconds to wait for the spares to be ready.
+        Seconds to wait for them to be ready.
 
     Returns
     -------
     dict
-        ``{worker address: True if its spare was ready in time}``.
+        ``{worker address: True if its zygote (or spare) was ready in time}``.
 
     Raises
     ------

@@ -1,4 +1,4 @@
-"""The worker-side owner of dask-ddp's state: a Dask ``WorkerPlugin`` holding the warm spare and the running ranks.
+"""The worker-side owner of dask-ddp's state: a Dask ``WorkerPlugin`` holding the zygote and the running ranks.
 
 Runs in: the Dask worker (the plugin), and the client (:func:`register`,
 called by ``run`` and ``warm_up`` before anything is submitted).

@@ -1,11 +1,12 @@
 """The rank process: a child of a Dask worker that runs one rank of one job.
 
-Runs in: the rank process. Started by the supervisor
-(:mod:`dask_ddp.supervisor`) as ``python -m dask_ddp.rank FD`` in its own
-process group, with a socket to the supervisor on file descriptor FD. It
-imports torch at once and then waits, warm, for a :class:`~dask_ddp.messages.Start`:
-this is what makes a spare cheap to start a job with. The messages both ways
-are the types of :mod:`dask_ddp.messages`.
+Runs in: the rank process: forked from its worker's zygote
+(:mod:`dask_ddp.zygote`, which calls :func:`serve`), or with ``ddp.zygote:
+false`` started by the supervisor as ``python -m dask_ddp.rank FD``
+(:func:`main`); either way in a process group of its own, with a socket to
+the supervisor on file descriptor FD. torch is imported before a job comes;
+the rank then waits for a :class:`~dask_ddp.messages.Start`. The messages
+both ways are the types of :mod:`dask_ddp.messages`.
 
 The child kills its whole process group (itself and its DataLoader workers)
 when the socket closes or its Dask worker process is gone, so a dead
