@@ -622,7 +622,7 @@ def run_dpd(args, fault, log_dir, ckpt_dir) -> Run:
             run.outcome = f"gather() raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         else:
             run.outcome = "gather() still waiting"
-        ev = analyse(run, log_dir)
+        analyse(run, log_dir)
         if run.fault_t is not None and "t" in got and "error" in got:
             run.detect_t, run.detect_how = got["t"], "client.gather raised " + run.outcome.split(" raised ", 1)[-1]
         time.sleep(1.0)  # let the workers settle: a dead worker's task is rescheduled, a stuck one stays
