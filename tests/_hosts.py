@@ -113,6 +113,7 @@ class SimulatedHosts:
                       for i, n in enumerate(self.workers_per_host)]
         self.namespaces: list[str] = []  # created, in order
         self.procs: list[subprocess.Popen] = []
+        self.host_procs: dict[int, list[subprocess.Popen]] = {h.index: [] for h in self.hosts}  # dask worker processes
         self.logs = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
         self.client = None
         self._made_netns_etc = False
@@ -132,6 +133,7 @@ class SimulatedHosts:
         from distributed import Client
 
         _LIVE.add(self)
+        _on_sigterm_clean_up()
         self._write_state()
         self._network()
         self.spawn(self.scheduler_ns, ["-m", "distributed.cli.dask_scheduler", "--host", self.scheduler_address,
@@ -216,9 +218,10 @@ class SimulatedHosts:
     def start_workers(self, host: Host) -> None:
         """Start (again) one ``dask worker`` process per worker name of ``host``."""
         for name in host.workers:
-            self.spawn(host.ns, ["-m", "distributed.cli.dask_worker", self.scheduler_url, "--nworkers", "1",
+            self.host_procs[host.index] = [p for p in self.host_procs[host.index] if p.poll() is None]
+            self.host_procs[host.index].append(self.spawn(host.ns, ["-m", "distributed.cli.dask_worker", self.scheduler_url, "--nworkers", "1",
                                  "--nthreads", "1", "--host", host.address, "--name", name, "--no-dashboard",
-                                 "--local-directory", str(self.logs / name)], name, host.hostname, self.worker_env)
+                                 "--local-directory", str(self.logs / name)], name, host.hostname, self.worker_env))
 
     def _wait_for_scheduler(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -373,6 +376,21 @@ def _close_all() -> None:
     for hosts in list(_LIVE):
         with contextlib.suppress(Exception):
             hosts.close()
+
+
+def _on_sigterm_clean_up() -> None:
+    """A SIGTERM (a CI job cancelled, a timeout's kill) skips atexit: clean up first, then die of it."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return
+
+    def handler(signum, frame):
+        _close_all()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 @contextlib.contextmanager
