@@ -278,3 +278,31 @@ def _fresh(client, host, hosts) -> int:
     info = client.scheduler_info(n_workers=-1)["workers"]
     now = time.time()
     return sum(1 for a, w in info.items() if a.startswith(f"tcp://{host.address}:") and now - w["last_seen"] < 2)
+
+
+def test_host_cut_off_past_the_tcp_timeout_leaves_and_rejoins_when_restarted(three_hosts):
+    """Cut longer than distributed's TCP timeout (30 s): the host's workers close themselves and their
+    ``dask worker`` processes exit; started again after the link is back (as systemd or Kubernetes would), they
+    rejoin and a 6-rank job runs."""
+    hosts, client = three_hosts, three_hosts.client
+    victim = hosts.hosts[1]
+    procs = hosts.host_procs[victim.index]
+    t_cut = time.time()
+    hosts.cut(victim)
+    try:
+        wait_until(lambda: all(p.poll() is not None for p in procs), 120, interval=0.5,
+                   what=f"the worker processes of {victim.ns} exiting")
+        exited = time.time() - t_cut
+        wait_until(lambda: not hosts.workers_of(victim), 60, interval=0.5, what="the scheduler dropping them")
+        dropped = time.time() - t_cut
+    finally:
+        hosts.restore(victim)
+    print(f"host cut off with no job: its worker processes exited {exited:.1f} s later, the scheduler dropped "
+          f"them {dropped:.1f} s later")
+    t_back = time.time()
+    hosts.start_workers(victim)
+    wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
+               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               what="6 live workers, 2 per host")
+    assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
+    print(f"restarted workers joined and ran a 6-rank job {time.time() - t_back:.1f} s after the link came back")
