@@ -1,0 +1,308 @@
+"""DDP jobs across simulated hosts: network namespaces on a bridge, one Dask worker process per rank.
+
+Every test is a real job through a ``distributed.Client`` in the root namespace, which reaches the
+scheduler and nothing else (tests/_hosts.py draws the network). Needs root and ``ip``; skips otherwise.
+Run with ``-s`` to see the measured figures.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import traceback
+
+import psutil
+import pytest
+
+import dask_ddp
+
+from _cluster import run, wait_until
+from _hosts import simulated_hosts, unavailable
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def can_make_hosts():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def three_hosts(can_make_hosts):
+    """3 hosts x 2 workers, every host named as the machine (a name /etc/hosts maps to loopback)."""
+    with simulated_hosts([2, 2, 2]) as hosts:
+        yield hosts
+
+
+def client_peers(hosts) -> set[str]:
+    """The simulated hosts' addresses this (client) process has TCP connections to: only the scheduler's."""
+    return {c.raddr.ip for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.ip in {str(a) for a in hosts.subnet}}
+
+
+# ---- functions run on the ranks ------------------------------------------------------------------------------
+
+def train_and_tell(steps):
+    """A few DDP steps; then where the rank ran, its interface, its store's listener, its TCP peers."""
+    import socket
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    dask_ddp.seed_everything(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        loss = model(torch.randn(16, 8)).pow(2).mean()  # different data per rank (seed + rank)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dask_ddp.report(loss=loss, step=step)
+    port = int(os.environ["MASTER_PORT"])
+    conns = psutil.Process().net_connections("tcp")  # torch's store client connects over IPv6, IPv4-mapped
+    name = socket.gethostname()
+    return {"rank": ctx.rank, "node_rank": ctx.node_rank, "local_rank": ctx.local_rank,
+            "local_world_size": ctx.local_world_size, "num_nodes": ctx.num_nodes, "worker": ctx.worker,
+            "env": {k: os.environ.get(k) for k in ("MASTER_ADDR", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                                   "GROUP_WORLD_SIZE", "GLOO_SOCKET_IFNAME")},
+            "listen": [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port],
+            "listening": sorted((c.laddr.ip, c.laddr.port, c.family.name) for c in conns if c.status == "LISTEN"),
+            "conns": sorted((c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port, c.family.name)
+                            for c in conns if c.raddr),
+            "peers": sorted({c.raddr.ip.removeprefix("::ffff:") for c in conns if c.raddr}),
+            "hostname": name, "resolves": socket.gethostbyname(name),
+            "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
+
+
+def all_reduce_one():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _fail_here(rank):
+    raise ValueError(f"rank {rank} found a bad batch")
+
+
+def raise_on(bad):
+    import torch
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    print(f"hello from rank {ctx.rank} on host {ctx.node_rank}", flush=True)
+    dask_ddp.report(step=0, node=ctx.node_rank)
+    dist.barrier()
+    if ctx.rank == bad:
+        time.sleep(2.5)  # every rank's report and line is out by now (ddp.events.flush-interval: 1 s)
+        _fail_here(ctx.rank)
+    while True:
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.01)
+
+
+def train_with_checkpoints(epochs, step_time):
+    """DDP training that saves a checkpoint every epoch and resumes from the latest one."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    state = dask_ddp.load_checkpoint()
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+    for epoch in range(start, epochs):
+        for _ in range(5):
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            dask_ddp.report(loss=loss, epoch=epoch, world=ctx.world_size, at=time.time())
+            time.sleep(step_time)
+        dask_ddp.save_checkpoint({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                                  "epoch": epoch}, step=epoch, keep=2)
+    return ctx.world_size, ctx.restart_count, start, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# ---- tests ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers_per_host", [(2, 1)])
+def test_uneven_hosts(can_make_hosts, workers_per_host):
+    with simulated_hosts(workers_per_host) as hosts:
+        job = run(hosts.client, train_and_tell, 2)
+        out = job.result(timeout=300)
+        assert [o["local_world_size"] for o in out] == [2, 2, 1]
+        assert [o["env"]["LOCAL_WORLD_SIZE"] for o in out] == ["2", "2", "1"]  # torchrun's: ranks on this node
+        assert [o["node_rank"] for o in out] == [0, 0, 1] and [o["local_rank"] for o in out] == [0, 1, 0]
+        assert all(o["env"]["GROUP_WORLD_SIZE"] == "2" for o in out)
+        assert job.state == "FINISHED"
+
+
+def test_own_host_names(can_make_hosts):
+    """Each host named h<i> by unshare --uts, resolving to its own address through /etc/netns/<ns>/hosts."""
+    with simulated_hosts([1, 1], host_names=True) as hosts:
+        out = run(hosts.client, train_and_tell, 2).result(timeout=300)
+        assert [(o["hostname"], o["resolves"]) for o in out] == [(h.hostname, h.address) for h in hosts.hosts]
+        assert [o["env"]["GLOO_SOCKET_IFNAME"] for o in out] == ["veth-h1", "veth-h2"]
+        assert (out[0]["params"] == out[1]["params"]).all()
+
+
+def test_gloo_on_loopback_fails_across_hosts(can_make_hosts):
+    """What dask-ddp's pinning prevents: gloo on loopback (here set by the user, which dask-ddp respects)."""
+    with simulated_hosts([1, 1], worker_env={"GLOO_SOCKET_IFNAME": "lo"}) as hosts:
+        job = run(hosts.client, all_reduce_one, timeout=30)
+        with pytest.raises(Exception) as info:
+            job.result(timeout=300)
+        text = "".join(traceback.format_exception(info.value))
+        print(f"gloo on loopback across hosts: {type(info.value).__name__}: {str(info.value).splitlines()[0]}")
+        assert "127.0.0.1" in text, text[-2000:]
+
+
+def test_six_ranks_on_three_hosts(three_hosts):
+    hosts, client = three_hosts, three_hosts.client
+    job = run(client, train_and_tell, 5)
+    out = job.result(timeout=300)
+    assert len(out) == 6 and [o["rank"] for o in out] == list(range(6))
+    master = hosts.hosts[0].address
+    for r, got in enumerate(out):
+        host = hosts.host_of(got["worker"])
+        assert got["node_rank"] == host.index and got["num_nodes"] == 3
+        assert got["local_rank"] == host.workers.index(job.plan.ranks[r].name)
+        assert got["local_world_size"] == 2 and got["env"]["LOCAL_WORLD_SIZE"] == "2"
+        assert got["env"]["GROUP_RANK"] == str(host.index) and got["env"]["GROUP_WORLD_SIZE"] == "3"
+        assert got["env"]["MASTER_ADDR"] == master
+        assert got["env"]["GLOO_SOCKET_IFNAME"] == host.ifname, got["env"]
+        assert "127.0.0.1" not in got["peers"] and set(got["peers"]) <= {h.address for h in hosts.hosts}, got
+        assert {ip for ip, _, _ in got["listening"]} == {host.address}, got["listening"]  # gloo's and the store's
+        assert (got["params"] == out[0]["params"]).all(), f"rank {r}'s parameters differ from rank 0's"
+    assert out[0]["listen"] == [master], "rank 0's store must listen on its host's address only"
+    assert sorted(job.metrics["rank"].unique()) == list(range(6)) and len(job.metrics) == 30
+    assert client_peers(hosts) <= {hosts.scheduler_address}
+
+
+def test_machine_name_maps_to_loopback(three_hosts):
+    """Every host has the machine's name, which /etc/hosts maps to 127.0.0.1 (as on Debian): DDP still works."""
+    hosts = three_hosts
+    out = run(hosts.client, train_and_tell, 2, workers=["h1-w0", "h2-w0", "h3-w0"]).result(timeout=300)
+    assert all(o["resolves"].startswith("127.") for o in out), [o["resolves"] for o in out]
+    assert [o["env"]["GLOO_SOCKET_IFNAME"] for o in out] == ["veth-h1", "veth-h2", "veth-h3"]
+    assert all((o["params"] == out[0]["params"]).all() for o in out)
+
+
+def test_raising_rank_across_hosts(three_hosts):
+    hosts = three_hosts
+    job = run(hosts.client, raise_on, 3)
+    with pytest.raises(ValueError, match="rank 3 found a bad batch") as info:
+        job.result(timeout=300)
+    err = info.value
+    assert "_fail_here" in "".join(traceback.format_exception(err)), "the rank's traceback must come back"
+    assert any("raised on rank 3" in note and job.plan.addresses[3] in note for note in err.__notes__)
+    assert sorted(job.metrics["rank"].unique()) == list(range(6)), "every rank's report must arrive"
+    assert sorted(job.metrics["node"].unique()) == [0, 1, 2]
+    for r in range(6):
+        assert any(f"hello from rank {r} on host {r // 2}" in line for line in job.logs), (r, job.logs)
+    assert client_peers(hosts) <= {hosts.scheduler_address}
+
+
+def test_dispatch_latency_across_hosts(three_hosts):
+    client = three_hosts.client
+    assert run(client, all_reduce_one).result(timeout=300) == [6] * 6  # warm: every worker's zygote is up
+    figures = {}
+    for n in (2, 4, 6):
+        took = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            assert run(client, all_reduce_one, workers=n).result(timeout=120) == [n] * n
+            took.append(time.perf_counter() - t0)
+        figures[n] = statistics.median(took)
+    print("dispatch latency (run -> result, median of 3): " +
+          ", ".join(f"{n} ranks on {(n + 1) // 2} host(s) {s * 1000:.0f} ms" for n, s in figures.items()))
+    assert all(s < 30 for s in figures.values())
+
+
+def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
+    """Host h3's link goes down mid-job: the job restarts from its checkpoint on h1 and h2; h3 comes back."""
+    hosts, client = three_hosts, three_hosts.client
+    victim = hosts.hosts[2]
+    job = run(client, train_with_checkpoints, 10, 0.2, workers=(2, None), max_restarts=1,
+              checkpoint_dir=str(tmp_path))
+    wait_until(lambda: not job.metrics.empty and (job.metrics["epoch"] >= 1).sum() >= 6, 240,
+               what="every rank in epoch 1 (a checkpoint saved)")
+    t_cut = time.time()
+    hosts.cut(victim)
+    try:
+        wait_until(lambda: any(h[2] == "RESTARTING" for h in job.history), 120, what="the job noticing the cut")
+        when, _, _, cause = next(h for h in job.history if h[2] == "RESTARTING")
+        print(f"host cut off: the job was RESTARTING {when - t_cut:.2f} s later ({cause})")
+        out = job.result(timeout=300)
+    finally:
+        hosts.restore(victim)
+    assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+    assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
+    assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
+    assert all((o[3] == out[0][3]).all() for o in out)
+    assert client_peers(hosts) <= {hosts.scheduler_address}
+    # the link is back: the host's workers serve the scheduler again, or (when their connection to the
+    # scheduler broke meanwhile and they closed themselves) start again as a node's supervisor would start them
+    t_back = time.time()
+    procs = hosts.host_procs[victim.index]
+    came = wait_until(lambda: "rejoined" if _fresh(client, victim, hosts) == 2 else
+                      "exited" if all(p.poll() is not None for p in procs) else None, 120, must=False)
+    print(f"link restored: the workers of {victim.ns} {came or 'neither rejoined nor exited'} after "
+          f"{time.time() - t_back:.1f} s")
+    assert came, f"the workers of {victim.ns} neither came back nor exited:\n{hosts.log_tails()}"
+    if came == "exited":
+        hosts.start_workers(victim)
+    wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
+               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               what="6 live workers, 2 per host")
+    print(f"all 6 workers live again {time.time() - t_back:.1f} s after the link came back")
+    assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
+
+
+def _fresh(client, host, hosts) -> int:
+    """How many of ``host``'s workers the scheduler heard from within the last 2 s."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    now = time.time()
+    return sum(1 for a, w in info.items() if a.startswith(f"tcp://{host.address}:") and now - w["last_seen"] < 2)
+
+
+def test_host_cut_off_past_the_tcp_timeout_leaves_and_rejoins_when_restarted(three_hosts):
+    """Cut longer than distributed's TCP timeout (30 s): the host's workers close themselves and their
+    ``dask worker`` processes exit; started again after the link is back (as systemd or Kubernetes would), they
+    rejoin and a 6-rank job runs."""
+    hosts, client = three_hosts, three_hosts.client
+    victim = hosts.hosts[1]
+    procs = hosts.host_procs[victim.index]
+    t_cut = time.time()
+    hosts.cut(victim)
+    try:
+        wait_until(lambda: all(p.poll() is not None for p in procs), 120, interval=0.5,
+                   what=f"the worker processes of {victim.ns} exiting")
+        exited = time.time() - t_cut
+        wait_until(lambda: not hosts.workers_of(victim), 60, interval=0.5, what="the scheduler dropping them")
+        dropped = time.time() - t_cut
+    finally:
+        hosts.restore(victim)
+    print(f"host cut off with no job: its worker processes exited {exited:.1f} s later, the scheduler dropped "
+          f"them {dropped:.1f} s later")
+    t_back = time.time()
+    hosts.start_workers(victim)
+    wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
+               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               what="6 live workers, 2 per host")
+    assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
+    print(f"restarted workers joined and ran a 6-rank job {time.time() - t_back:.1f} s after the link came back")
