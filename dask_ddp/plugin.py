@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -26,7 +27,7 @@ import dask
 from distributed import WorkerPlugin
 from distributed.core import Status
 
-from .process import RankProcess, Zygote
+from .process import RankProcess, Zygote, sweep_tmp_roots, worker_tmp_root
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
@@ -174,6 +175,7 @@ class RankHost(WorkerPlugin):
         self.launcher = Launcher()
         self.active: dict[tuple[str, int], Supervisor] = {}  # (attempt id, rank) -> supervisor
         self._lock = threading.Lock()
+        sweep_tmp_roots()  # what a killed worker's ranks left in the temp folder
 
     def teardown(self, worker) -> None:
         """Stop the zygote or spare; when the worker is closing, stop every running rank too (nothing outlives it)."""
@@ -181,6 +183,7 @@ class RankHost(WorkerPlugin):
         if getattr(worker, "status", None) in _CLOSING:
             for sup in self.running():
                 sup.stop("its Dask worker is closing")
+            shutil.rmtree(worker_tmp_root(), ignore_errors=True)  # its ranks' TMPDIRs, whatever is left
 
     def __getstate__(self) -> dict:
         return {}

@@ -30,7 +30,7 @@ from .events import Relay
 from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
 from .outcome import RankOutcome, Status
 from .plugin import RankHost
-from .process import RankProcess, stop_marked
+from .process import RankProcess, stop_marked, worker_tmp_root
 from .task import RankTask
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
@@ -116,7 +116,7 @@ class Supervisor:
         # Short, in the system's temp folder: multiprocessing (DataLoader workers passing tensors) binds
         # AF_UNIX sockets under TMPDIR, whose paths may not exceed 107 bytes; under a worker's local
         # directory (dask-cuda's is long) every batch failed to send and the DataLoader waited for good.
-        self.tmpdir = tempfile.mkdtemp(prefix=tmpdir_prefix(self.task))
+        self.tmpdir = tempfile.mkdtemp(prefix=tmpdir_prefix(self.task), dir=worker_tmp_root())
         self.child.send(Start(self.task, port, self.tmpdir))
         return self._watch()
 
@@ -262,8 +262,8 @@ class Supervisor:
 
 
 def tmpdir_prefix(task: RankTask) -> str:
-    """The start of the name of a rank's TMPDIR (in the system's temp folder): ``ddp-<run hex>-<attempt>-r<rank>-``."""
-    return f"ddp-{task.run_id[-8:]}-{task.attempt}-r{task.rank.rank}-"
+    """The start of the name of a rank's TMPDIR (in :func:`worker_tmp_root`): ``<run hex>-<attempt>-r<rank>-``."""
+    return f"{task.run_id[-8:]}-{task.attempt}-r{task.rank.rank}-"
 
 
 def forget_attempt(task: RankTask, client=None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -70,6 +71,7 @@ def test_sigkill_of_a_rank_process(client):
 @pytest.mark.slow
 def test_sigkill_of_a_dask_worker(client):
     addr = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    pids = client.run(os.getpid)
     job = run(client, kill_own_worker)
     with pytest.raises(dask_ddp.WorkerLostError, match="left the cluster") as info:
         job.result(timeout=120)
@@ -81,6 +83,9 @@ def test_sigkill_of_a_dask_worker(client):
     client.wait_for_workers(2, timeout=60)  # the Nanny restarted it
     assert leftover_processes(client) == []
     assert run(client, lambda: 1).result(timeout=120) == [1, 1]
+    # the killed worker's ranks could not remove their TMPDIRs; the new worker's plugin removed its folder
+    dead = f"ddp-w{pids[info.value.worker]}"
+    assert dead not in os.listdir(tempfile.gettempdir()), f"{dead} outlived its worker"
 
 
 @pytest.mark.slow
