@@ -84,7 +84,7 @@ def wait_for(job, what: str) -> int:
     outcome: list = []
     interrupted = threading.Event()
     waiter = threading.Thread(target=_collect, args=(job, outcome), name="dask-ddp-cli-wait", daemon=True)
-    with _on_sigint(interrupted.set):
+    with _sigint_handler(lambda *_: interrupted.set()):
         waiter.start()
         while not outcome and not interrupted.wait(0.1):
             pass
@@ -97,20 +97,6 @@ def wait_for(job, what: str) -> int:
         print_failure(error, what)
         return EXIT_FAILED
     return EXIT_OK
-
-
-@contextlib.contextmanager
-def _on_sigint(callback):
-    """Call ``callback`` on SIGINT instead of raising KeyboardInterrupt (main thread only; elsewhere a no-op)."""
-    try:
-        previous = signal.signal(signal.SIGINT, lambda *_: callback())
-    except ValueError:  # not the main thread: signals are not ours to change
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _collect(job, outcome: list) -> None:
@@ -182,12 +168,12 @@ def _local_cluster(workers: int | None, dask_cuda: bool):
     gpus = _gpu_count() if dask_cuda or workers is None else 0  # spare the client a torch import when it can
     kind, make = _local_cluster_kind(workers, dask_cuda, gpus)
     print(f"starting a local {kind} ...", file=sys.stderr)
-    with _sigint_ignored():  # the worker processes inherit SIG_IGN: Ctrl-C is this process's to handle
+    with _sigint_handler(signal.SIG_IGN):  # the worker processes inherit SIG_IGN: Ctrl-C is this process's to handle
         cluster = make()
     try:
         yield cluster
     finally:
-        with _sigint_ignored():
+        with _sigint_handler(signal.SIG_IGN):
             cluster.close()
 
 
@@ -216,9 +202,10 @@ def _local_cluster_kind(workers: int | None, dask_cuda: bool, gpus: int):
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
+def _sigint_handler(handler):
+    """SIGINT goes to ``handler`` (a callable, or ``signal.SIG_IGN``) inside the block; main thread only, else a no-op."""
     try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread: signals are not ours to change
         yield
         return
