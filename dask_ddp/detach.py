@@ -24,7 +24,6 @@ gives the same events. dask-ddp must be installed where the scheduler runs
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import time
 from collections import deque
@@ -102,10 +101,9 @@ def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
         return {"state": "PENDING", "history": [], "events": [], "n": n, "settled": False}
     record = job._record
     with record.cond:
-        first = max(n, record.n_events - len(record.events))
-        events = list(itertools.islice(record.events, first - (record.n_events - len(record.events)), None))[:_BATCH]
-        out = {"state": record.state, "history": list(record.history), "events": events, "n": first + len(events),
-               "settled": record.settled and first + len(events) == record.n_events, "plan": job.plan}
+        events, after = record.events_since(n, _BATCH)
+        out = {"state": record.state, "history": list(record.history), "events": events, "n": after,
+               "settled": record.settled and after == record.n_events, "plan": job.plan}
         if out["settled"]:
             out["outcome"] = cloudpickle.dumps((record.error, record.values))
     return out
@@ -124,14 +122,9 @@ def _cancel(run_id: str, dask_scheduler=None) -> bool:
 def launch(client, spec: LaunchSpec) -> Follower:
     """Start ``spec`` with its controller in the scheduler's process; return a :class:`Follower` of it.
 
-    Raises
-    ------
-    TypeError
-        The spec has callbacks (they would run in the scheduler).
+    ``spec`` has no callbacks (``run`` refuses them with ``detach=True``: they would run in the scheduler).
+    Raises nothing of its own.
     """
-    if spec.callbacks:
-        raise TypeError("a detached job takes no callbacks (they would run in the scheduler's process): attach to "
-                        "it and read job.stream() instead")
     driven = dataclasses.replace(spec, echo_logs=False)  # the scheduler's output is nobody's to read
     client.run_on_scheduler(_start, cloudpickle.dumps(driven))
     return Follower(client, spec.run_id, spec.name or spec.fn_name, spec.progress, spec.total)
@@ -215,7 +208,7 @@ class Follower(Job):
             n = self._take(snap)
             if snap["settled"]:
                 return
-            if not snap["events"] or len(snap["events"]) < _BATCH:
+            if len(snap["events"]) < _BATCH:  # a full batch: more are waiting, ask again at once
                 time.sleep(interval)
 
     def _take(self, snap: dict) -> int:

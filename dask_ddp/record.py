@@ -73,12 +73,15 @@ class JobRecord:
                            "attach a sink (dask_ddp.JSONLinesSink) for the whole history", self.run_id,
                            self.metric_rows.maxlen, self.metric_rows.maxlen)
 
-    def events_since(self, n: int) -> tuple[list[dict], int]:
-        """Events from number ``n`` on (those dropped meanwhile are skipped) and the number after the last."""
+    def events_since(self, n: int, limit: int | None = None) -> tuple[list[dict], int]:
+        """Events from number ``n`` on, at most ``limit`` (those dropped meanwhile are skipped), and the number
+        after the last returned."""
         with self.cond:
             first = self.n_events - len(self.events)
             start = max(n, first) - first
-            return list(itertools.islice(self.events, start, None)), self.n_events
+            stop = None if limit is None else start + limit
+            batch = list(itertools.islice(self.events, start, stop))
+            return batch, first + start + len(batch)
 
     def transition(self, new: str, cause: str) -> None:
         """Move to state ``new``, keep it in ``history`` and log it with its cause."""

@@ -26,7 +26,7 @@ import cloudpickle
 from distributed import Event, Variable, get_worker
 
 from .errors import RankFailedError, RendezvousError
-from .events import Relay
+from .events import Relay, _drop_topic
 from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
 from .outcome import RankOutcome, Status
 from .plugin import RankHost
@@ -286,9 +286,7 @@ async def _forget_on_scheduler(abort_event: str, port_variable: str, dask_schedu
     for name in (abort_event, port_variable + "-ready"):
         events.event_clear(name=name)  # a cleared Event nobody waits on is deleted
     await dask_scheduler.extensions["variables"].delete(name=port_variable)
-    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)  # private (distributed 2026.7)
-    if topics is not None:
-        topics.pop(f"variable-{port_variable}", None)
+    _drop_topic(f"variable-{port_variable}", dask_scheduler=dask_scheduler)
 
 
 def supervise(task: RankTask) -> RankOutcome:
