@@ -39,6 +39,12 @@ NOTEBOOK = textwrap.dedent('''
 ''')
 
 
+def _line_starting(proc, word: str) -> list[str] | None:
+    """The words of the notebook process's next output line that starts with ``word`` (the ranks' echoed
+    output comes first), or None if its output ends first."""
+    return next((line.split() for line in proc.stdout if line.startswith(word)), None)
+
+
 def running_ranks(client) -> list[int]:
     return [pid for got in rank_process_pids(client).values() for pid in got["running"]]
 
@@ -49,13 +55,12 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
     proc = subprocess.Popen([sys.executable, "-c", NOTEBOOK, client.scheduler.address, how],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        lines = (line.strip() for line in proc.stdout)  # the ranks' echoed output comes first
-        if next((line for line in lines if line == "running"), None) is None:
+        if _line_starting(proc, "running") != ["running"]:
             proc.kill()
             pytest.fail(f"the notebook did not start its job: {proc.stderr.read()}")
         assert len(running_ranks(client)) == 2
         if how == "close":
-            assert next((line for line in lines if line == "closed"), None) == "closed"
+            assert _line_starting(proc, "closed") == ["closed"]
         else:
             proc.send_signal(signal.SIGKILL)
         gone_at = time.monotonic()
@@ -94,11 +99,7 @@ def _start_detached(client, name: str, steps: int) -> str:
     proc = subprocess.Popen([sys.executable, "-c", DETACHED_NOTEBOOK, client.scheduler.address, name, str(steps)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = []
-        for text in proc.stdout:  # the ranks' output is echoed first
-            if text.startswith("running"):
-                line = text.split()
-                break
+        line = _line_starting(proc, "running") or []
     finally:
         proc.kill()  # the notebook's kernel dies with its client
         proc.wait()
