@@ -6,10 +6,12 @@ of a socket pair (``multiprocessing.connection.Connection``, pickled)::
     rank process -> supervisor        supervisor -> rank process
     Ready      torch imported         Start          the job: a RankTask and rank 0's store port
     Port       rank 0 bound its store StacksRequest  dump your Python stacks
-    Events     a batch of reports and log records
+    Events     a batch of reports and FlushRequest   send the events you hold (about to be stopped)
+               log records
     Result     the function returned (pickled value)
     Failed     the function raised (pickled exception)
     Stacks     the stack dump asked for
+    Flushed    every event held went out before this
 
 A rank process runs one job and exits; closing the socket kills it (and its
 DataLoader workers), so a dead supervisor never leaves a rank behind.
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .task import RankTask
 
-__all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "StacksRequest"]
+__all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "StacksRequest",
+           "FlushRequest", "Flushed"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,13 @@ class Start:
 @dataclass(frozen=True)
 class StacksRequest:
     """Send a :class:`Stacks` with every thread's Python stack."""
+
+
+@dataclass(frozen=True)
+class FlushRequest:
+    """Send every report and log record held now, then a :class:`Flushed` (the rank is about to be stopped)."""
+
+
+@dataclass(frozen=True)
+class Flushed:
+    """Every event held when the :class:`FlushRequest` came has been sent before this message."""

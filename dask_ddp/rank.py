@@ -31,7 +31,7 @@ from tblib import pickling_support
 
 from . import context, devices, network, reporting
 from .errors import RankFailedError, RendezvousError
-from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
+from .messages import Events, Failed, Flushed, FlushRequest, Port, Ready, Result, Stacks, StacksRequest, Start
 from .task import RankTask
 
 # Text of gloo's and NCCL's plain RuntimeErrors for a broken connection: the last resort of
@@ -75,6 +75,7 @@ class _Channel:
     def __init__(self, conn: Connection):
         self.conn = conn
         self._lock = threading.Lock()
+        self.flusher: reporting.Flusher | None = None  # set once the job's report buffer exists
 
     def send(self, msg) -> None:
         with self._lock:
@@ -85,8 +86,13 @@ class _Channel:
         def loop():
             try:
                 while True:
-                    if isinstance(self.conn.recv(), StacksRequest):
+                    msg = self.conn.recv()
+                    if isinstance(msg, StacksRequest):
                         self.send(Stacks(_format_stacks()))
+                    elif isinstance(msg, FlushRequest):
+                        if self.flusher is not None:  # its lock orders the batch before the answer
+                            self.flusher.flush()
+                        self.send(Flushed())
             except (EOFError, OSError):
                 _die()
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()
@@ -116,7 +122,7 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     spec = task.rank
     rank, world_size, worker = spec.rank, spec.world_size, spec.address
     buf = reporting.EventBuffer(rank, task.attempt)
-    flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval)
+    flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval)
     timeout = timedelta(seconds=task.timeout)
     try:
         os.environ.update(task.env)

@@ -27,7 +27,7 @@ from distributed import Event, Variable, get_worker
 
 from .errors import RankFailedError, RendezvousError
 from .events import Relay, _drop_topic
-from .messages import Events, Failed, Port, Ready, Result, Stacks, StacksRequest, Start
+from .messages import Events, Failed, Flushed, FlushRequest, Port, Ready, Result, Stacks, StacksRequest, Start
 from .outcome import RankOutcome, Status
 from .plugin import RankHost
 from .process import RankProcess, stop_marked, worker_tmp_root
@@ -175,7 +175,30 @@ class Supervisor:
             if exit_by is not None and time.monotonic() > exit_by:
                 return result  # stuck in destroy_process_group: the caller kills it, the outcome stands
             if result is None and self._aborted():
+                self._collect_held_events()
                 return self._fail(Status.ABORTED, self._stop_reason or STOPPED)
+
+    def _collect_held_events(self, timeout: float = 1.0) -> None:
+        """Before a stopped rank is killed: relay the reports, logs and results it holds but has not flushed.
+
+        Its listener thread answers even while the training code waits in a collective; a rank that does not
+        answer within ``timeout`` (stopped, or holding the GIL in C code) is killed with what it held.
+        """
+        try:
+            self.child.send(FlushRequest())
+        except OSError:
+            return
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.child.conn.poll(left):
+                return
+            try:
+                msg = self.child.conn.recv()
+            except (EOFError, OSError):
+                return
+            if isinstance(msg, Flushed):
+                return
+            self._handle(msg)
 
     def _handle(self, msg) -> None:
         match msg:

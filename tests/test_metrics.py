@@ -242,6 +242,35 @@ def test_failing_rank_last_reports_arrive_and_traceback_once(client, capsys):
     assert leftover_processes(client) == []
 
 
+def reports_then_waits_or_fails():
+    import torch.distributed as dist
+
+    dask_ddp.report(step=0, held=0.0)  # goes at once (after a quiet spell)
+    time.sleep(0.3)
+    dask_ddp.report(step=1, held=1.0)  # held for the flush interval
+    print("line held too", flush=True)
+    logging.getLogger("user").warning("a record held too")
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        raise ValueError("rank one failed")
+    time.sleep(120)  # rank 0 waits here, in no collective that could break, until it is stopped
+
+
+def test_a_stopped_rank_sends_what_it_held_before_it_is_killed(client):
+    """Rank 0 holds a report and a log record for the flush interval (30 s) when rank 1 fails: its supervisor
+    asks it for them before killing it (it answers from a listener thread while its main thread trains or
+    waits), so nothing it reported is lost. CI once lost a rank's last submit_result this way."""
+    with dask.config.set({"ddp.events.flush-interval": 30.0}):
+        job = dispatch.run(client, reports_then_waits_or_fails, progress=False)
+    with pytest.raises(ValueError, match="rank one failed"):
+        job.result(timeout=120)
+    m = job.metrics
+    assert sorted(m.loc[m["rank"] == 0, "step"].tolist()) == [0, 1], m
+    assert any(line.startswith("[rank 0]") and "a record held too" in line for line in job.logs), job.logs
+    assert job.attempt.outcomes[0].status.name == "ABORTED"
+    assert leftover_processes(client) == []
+
+
 # ---- bad input, live stream, TensorBoard ---------------------------------------------------------------------
 
 def test_bad_reports_name_the_key_and_a_live_stream_and_tensorboard(client, tmp_path):
