@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pickle
+import random
+import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dask_ddp
-from dask_ddp.plan import WorkerInfo, make_plan, parse_address, torchrun_env, workers_from_scheduler_info
+from dask_ddp.plan import WorkerInfo, _natural_key, make_plan, parse_address, torchrun_env, workers_from_scheduler_info
 
 
 def w(addr, name):
@@ -104,3 +108,42 @@ def test_importing_the_package_does_not_import_torch():
     code = "import sys, dask_ddp, dask_ddp.supervisor, dask_ddp.job; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_ten_thousand_workers_on_1250_hosts_in_one_plan():
+    """A synthetic scheduler view the size of a large cluster, in the scheduler's (arbitrary) order: every
+    worker gets a rank, ranks go host by host (10.0.0.9 before 10.0.0.10), worker names count as numbers
+    within a host, and each host's local ranks are 0..7. The time this takes is in benchmarks/bench_plan.py."""
+    rng = random.Random(0)
+    view = {f"tcp://10.0.{h // 250}.{h % 250}:{40000 + g}": {"host": f"10.0.{h // 250}.{h % 250}", "name": f"gpu{g}"}
+            for h in range(1250) for g in range(8)}
+    shuffled = dict(rng.sample(sorted(view.items()), len(view)))
+    plan = make_plan(workers_from_scheduler_info({"workers": shuffled}))
+    assert plan.world_size == 10_000 and len(set(plan.addresses)) == 10_000
+    assert plan.ranks[9].address == "tcp://10.0.0.1:40001" and plan.ranks[80].host == "10.0.0.10"
+    assert [r.local_rank for r in plan.ranks] == list(range(8)) * 1250
+    assert [r.node_rank for r in plan.ranks] == [n for n in range(1250) for _ in range(8)]
+    assert {(r.local_world_size, r.num_nodes) for r in plan.ranks} == {(8, 1250)}
+    assert plan.master_addr == "10.0.0.0"
+
+
+def _natural_key_before(text):  # the first release's key: the new one must order names the same way
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text) if t)
+
+
+@given(st.lists(st.text(alphabet="ab09-_.٣", max_size=6), min_size=2, max_size=8))
+def test_worker_names_order_as_in_the_first_release(names):
+    assert sorted(names, key=_natural_key) == sorted(names, key=_natural_key_before)
+
+
+def test_listing_the_workers_stops_at_no_cap():
+    """Dask's scheduler_info() lists 5 workers unless asked for all: a plan must see all 8 here."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=8, processes=False, threads_per_worker=1, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(8)
+        with pytest.raises(dask_ddp.PlanError, match="asked for 9 workers, the cluster has 8"):
+            dask_ddp.dispatch.run(client, print, workers=9)
+        with pytest.raises(dask_ddp.PlanError, match="asked for 9 workers, the cluster has 8"):
+            dask_ddp.dispatch.warm_up(client, workers=9)
