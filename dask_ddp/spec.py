@@ -32,6 +32,7 @@ class LaunchSpec:
     spawn_timeout: float = 120
     poll_interval: float = 0.25
     flush_interval: float = 1.0
+    max_batches_per_second: float | None = 100  # the job's event batches, all ranks (events.flush_interval_for)
     stall_timeout: float | None = None
     worker_timeout: float | None = 6
     max_restarts: int = 0

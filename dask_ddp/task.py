@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .events import flush_interval_for
 from .plan import RankPlan, RankSpec, torchrun_env
 from .spec import LaunchSpec
 
@@ -84,10 +85,11 @@ class RankTask:
 
 def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> list[RankTask]:
     """The tasks of every rank of ``plan`` for attempt ``attempt`` (0 first), in rank order."""
+    interval = flush_interval_for(plan.world_size, spec.flush_interval, spec.max_batches_per_second)
     return [RankTask(run_id=run_id, attempt=attempt, rank=r, master_addr=plan.master_addr, backend=spec.backend,
                      call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
                      spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval,
-                     flush_interval=spec.flush_interval, max_restarts=spec.max_restarts,
+                     flush_interval=interval, max_restarts=spec.max_restarts,
                      checkpoint_dir=spec.checkpoint_dir, checkpoint_options=spec.checkpoint_options,
                      spare_early=attempt < spec.max_restarts)
             for r in plan.ranks]

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import dask_ddp  # noqa: E402
 from dask_ddp import dispatch  # noqa: E402
-from dask_ddp.events import EventOrder, TopicFeed  # noqa: E402
+from dask_ddp.events import EventOrder, TopicFeed, flush_interval_for  # noqa: E402
 from dask_ddp.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
 
 from _cluster import leftover_processes, wait_until  # noqa: E402
@@ -330,6 +330,46 @@ def test_reports_go_in_few_batches_and_a_lone_report_at_once(client):
     assert all(b <= 1 + 1 + 1 + 1 + 1 for b in batches.values()), batches
     assert all(n > 200 for n in reports.values()), reports
     assert sorted(arrivals) == [0, 1] and all(d < 0.5 for d in arrivals.values()), arrivals
+
+
+def steady(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        dask_ddp.report(loss=0.1)
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_a_large_job_flushes_less_often_so_its_batch_rate_is_bounded(client):
+    """ddp.events.max-batches-per-second bounds the batches a whole job sends the scheduler: here 0.5 a second for
+    2 ranks, so each rank flushes every 4 s instead of every 0.25 s. Every report still arrives."""
+    seconds = 5.0
+    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": 0.5}):
+        job = dispatch.run(client, steady, seconds, progress=False)
+    job.result(timeout=120)
+    batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}
+    print(f"batches per rank in {seconds} s of reports: {batches}")
+    # at once, one 4 s later, the final flush, and one spare for a log line: 20 without the bound
+    assert all(b <= 4 for b in batches.values()), batches
+    assert all(n > 300 for n in job.metrics.groupby("rank").size()), job.metrics.groupby("rank").size()
+
+
+def test_flush_interval_for_world_sizes():
+    assert flush_interval_for(8, 1.0, 100) == 1.0
+    assert flush_interval_for(100, 1.0, 100) == 1.0
+    assert flush_interval_for(1000, 1.0, 100) == 10.0
+    assert flush_interval_for(1000, 1.0, None) == 1.0 and flush_interval_for(1000, 1.0, 0) == 1.0
+    assert flush_interval_for(2, 0.25, 0.5) == 4.0
+    for bad in [(0, 1.0, 100), (4, 0.0, 100), (4, 1.0, -1)]:
+        with pytest.raises(ValueError, match="flush_interval_for"):
+            flush_interval_for(*bad)
+
+
+def test_bad_event_settings_are_refused_before_anything_ships(client):
+    for key, value in [("ddp.events.max-batches-per-second", -1), ("ddp.events.flush-interval", 0),
+                       ("ddp.events.max-batches-per-second", "fast")]:
+        with dask.config.set({key: value}), pytest.raises(dask_ddp.PlanError, match=key.replace(".", r"\.")):
+            dispatch.run(client, steady, 0.1, progress=False)
 
 
 def test_report_outside_a_rank():
