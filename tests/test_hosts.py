@@ -8,7 +8,10 @@ Run with ``-s`` to see the measured figures.
 from __future__ import annotations
 
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 
@@ -18,7 +21,7 @@ import pytest
 import dask_ddp
 
 from _cluster import run, wait_until
-from _hosts import simulated_hosts, unavailable
+from _hosts import ip, simulated_hosts, unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -69,7 +72,7 @@ def train_and_tell(steps):
     name = socket.gethostname()
     return {"rank": ctx.rank, "node_rank": ctx.node_rank, "local_rank": ctx.local_rank,
             "local_world_size": ctx.local_world_size, "num_nodes": ctx.num_nodes, "worker": ctx.worker,
-            "env": {k: os.environ.get(k) for k in ("MASTER_ADDR", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "env": {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                                    "GROUP_WORLD_SIZE", "GLOO_SOCKET_IFNAME")},
             "listen": [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port],
             "listening": sorted((c.laddr.ip, c.laddr.port, c.family.name) for c in conns if c.status == "LISTEN"),
@@ -306,3 +309,117 @@ def test_host_cut_off_past_the_tcp_timeout_leaves_and_rejoins_when_restarted(thr
                what="6 live workers, 2 per host")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
     print(f"restarted workers joined and ran a 6-rank job {time.time() - t_back:.1f} s after the link came back")
+
+
+def steps_until_cancelled():
+    import torch
+    import torch.distributed as dist
+
+    for i in range(100_000):
+        dist.all_reduce(torch.ones(1))
+        dask_ddp.report(loss=1.0 / (i + 1))
+        time.sleep(0.02)
+
+
+def test_two_jobs_at_once_across_hosts(three_hosts):
+    """Two 3-rank jobs, each with one worker on every host, at the same time: each trains as its own group."""
+    hosts, client = three_hosts, three_hosts.client
+    a = run(client, train_and_tell, 8, workers=["h1-w0", "h2-w0", "h3-w0"])
+    b = run(client, train_and_tell, 8, workers=["h1-w1", "h2-w1", "h3-w1"])
+    out_a, out_b = a.result(timeout=300), b.result(timeout=300)
+    for job, out in ((a, out_a), (b, out_b)):
+        assert [o["rank"] for o in out] == [0, 1, 2] and {o["num_nodes"] for o in out} == {3}
+        assert all((o["params"] == out[0]["params"]).all() for o in out), f"{job.name}: ranks differ"
+        assert sorted(job.metrics["rank"].unique()) == [0, 1, 2]
+    assert {o["worker"] for o in out_a}.isdisjoint(o["worker"] for o in out_b)
+    assert out_a[0]["env"]["MASTER_ADDR"] == out_b[0]["env"]["MASTER_ADDR"] == hosts.hosts[0].address
+    assert out_a[0]["env"]["MASTER_PORT"] != out_b[0]["env"]["MASTER_PORT"], "two stores on one port"
+    assert client_peers(hosts) <= {hosts.scheduler_address}
+
+
+def test_progress_and_cancel_from_a_client_that_reaches_only_the_scheduler(three_hosts, capsys):
+    """The bar draws, live metrics arrive and cancel() stops every rank on every host; the client opens no
+    connection to a worker or a rank."""
+    hosts, client = three_hosts, three_hosts.client
+    job = dask_ddp.dispatch.run(client, steps_until_cancelled, progress=True)
+    wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 6, 240,
+               what="metrics from all 6 ranks")
+    assert len(_rank_processes(hosts)) == 6, _rank_processes(hosts)  # what must be gone after cancel()
+    t0 = time.time()
+    job.cancel()
+    with pytest.raises(dask_ddp.JobCancelledError):
+        job.result(timeout=120)
+    stopped = time.time() - t0
+    assert job.state == "CANCELLED"
+    err = capsys.readouterr().err
+    assert job.run_id in err and "step" in err, "no progress bar was drawn"
+    left = wait_until(lambda: not _rank_processes(hosts), 30, interval=0.2, must=False)
+    assert left is not False and not _rank_processes(hosts), _rank_processes(hosts)
+    print(f"cancel() to result() raising: {stopped:.2f} s")
+    assert client_peers(hosts) <= {hosts.scheduler_address}
+
+
+def _rank_processes(hosts) -> list[str]:
+    """Rank processes in any simulated host, as 'ns pid cmd': each is forked from its worker's zygote (same command
+    line, the zygote its parent), or with ``ddp.zygote: false`` a ``python -m dask_ddp.rank``."""
+    out = []
+    for h in hosts.hosts:
+        for pid in ip("netns", "pids", h.ns, check=False).split():
+            try:
+                proc = psutil.Process(int(pid))
+                cmd = " ".join(proc.cmdline())
+                parent = proc.parent()
+                forked = "dask_ddp.zygote" in cmd and parent is not None and "dask_ddp.zygote" in " ".join(
+                    parent.cmdline())
+                if forked or "dask_ddp.rank" in cmd:
+                    out.append(f"{h.ns} {pid} {cmd[:80]}")
+            except (psutil.Error, ValueError):
+                pass
+    return out
+
+
+def test_dask_ddp_run_against_the_hosts_scheduler(three_hosts, tmp_path):
+    """The CLI, from outside the cluster network, runs a torchrun-style script on the 6 ranks."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "print(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} on node {os.environ['GROUP_RANK']}: "
+        "{int(t.item())}\", flush=True)\n"
+        "dist.destroy_process_group()\n")
+    out = subprocess.run([sys.executable, "-m", "dask_ddp.cli", "run", "--scheduler", three_hosts.scheduler_url,
+                          str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    for r in range(6):
+        assert f"rank {r} of 6 on node {r // 2}: 21" in text, text[-3000:]
+
+
+def test_all_workers_of_one_host_killed_at_once(three_hosts, tmp_path):
+    """Both `dask worker` processes of h2 SIGKILLed together mid-job (a node that dies): the job resumes from its
+    checkpoint on h1 and h3, no rank process is left anywhere, and workers started again on h2 serve the next job."""
+    hosts, client = three_hosts, three_hosts.client
+    victim = hosts.hosts[1]
+    job = run(client, train_with_checkpoints, 10, 0.2, workers=(2, None), max_restarts=1,
+              checkpoint_dir=str(tmp_path))
+    wait_until(lambda: not job.metrics.empty and (job.metrics["epoch"] >= 1).sum() >= 6, 240,
+               what="every rank in epoch 1 (a checkpoint saved)")
+    t_kill = time.time()
+    for p in hosts.host_procs[victim.index]:
+        os.killpg(p.pid, signal.SIGKILL)
+    wait_until(lambda: any(h[2] == "RESTARTING" for h in job.history), 120, what="the job noticing the kill")
+    when = next(h[0] for h in job.history if h[2] == "RESTARTING")
+    out = job.result(timeout=300)
+    print(f"all workers of one host killed: the job was RESTARTING {when - t_kill:.2f} s later")
+    assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+    assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
+    assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
+    assert wait_until(lambda: not _rank_processes(hosts), 30, interval=0.2, must=False) is not False, \
+        _rank_processes(hosts)
+    hosts.start_workers(victim)
+    wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
+               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               what="6 live workers, 2 per host")
+    assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
