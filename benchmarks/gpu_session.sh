@@ -13,7 +13,7 @@ part=${1:-all}
 if [ "$part" = checks ] || [ "$part" = all ]; then
   echo "== pytest -m gpu"
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
-    $(ls tests/test_telemetry.py 2>/dev/null) 2>&1 | tail -25
+    $(ls tests/test_telemetry.py tests/test_telemetry_gpu.py 2>/dev/null) 2>&1 | tail -25
   echo "== dask-ddp demo (LocalCUDACluster)"
   ( time timeout 240 python3 -m dask_ddp.cli demo ) 2>&1 | grep -v "^\[rank" | tail -20
   echo "== jobs in a row, nccl"

@@ -173,11 +173,12 @@ class S3ImageFolder(ImageFolder):
     ):
         if int(retries) < 0:
             raise ValueError(f"retries must be 0 or more, got {retries}")
-        url = normalize_root(root)
-        self.storage_options = _Options(storage_options or {})
+        # s3://KEY:SECRET@bucket/x reads with those credentials; the root and samples show s3://bucket/x
+        url, options = storage.split_userinfo(normalize_root(root), storage_options)
+        self.storage_options = _Options(options)
         if index is None:
             index = index_folder(url, self.storage_options)
-        elif index.root != url:
+        elif storage.without_userinfo(index.root) != url:
             raise ValueError(f"index was built for {index.root}, not {url}; list it with index_folder({url!r})")
         self.index = index
         self.cache = os.fspath(cache) if cache is not None else None

@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable, Mapping
 from urllib.parse import quote, unquote
 
-__all__ = ["resolve", "call", "translate", "redact", "masked", "without_userinfo"]
+__all__ = ["resolve", "call", "translate", "redact", "masked", "split_userinfo", "without_userinfo"]
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)(?P<info>[^/@\s'\"]+)@")
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "signature")
@@ -44,11 +44,7 @@ def resolve(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = 
         raise TypeError(f"expected a path or fsspec URL (str), got {type(url).__name__}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options takes a dict of fsspec options, got {type(storage_options).__name__}")
-    options = dict(storage_options or {})
-    if found := re.match(r"^(s3a?://)([^/@]*)@", url):
-        user, _, password = map(unquote, found[2].partition(":"))
-        options = {"key": user, **({"secret": password} if password else {}), **options}
-        url = found[1] + url[found.end():]
+    url, options = split_userinfo(url, storage_options)
     import fsspec  # here: importing dask_ddp stays light
 
     return call(lambda: fsspec.core.url_to_fs(url, **options), url, doing="opening its filesystem",
@@ -122,6 +118,20 @@ def masked(storage_options: Mapping[str, Any] | None) -> dict:
         return redact(value, storage_options) if isinstance(value, str) else value
 
     return show(dict(storage_options or {}))
+
+
+def split_userinfo(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, dict]:
+    """``("s3://KEY:SECRET@bucket/x", opts)`` -> ``("s3://bucket/x", {"key": KEY, "secret": SECRET, **opts})``.
+
+    s3fs would take ``KEY:SECRET@bucket`` for the bucket's name; options given explicitly win. Other URLs
+    come back as they are. Raises nothing.
+    """
+    options = dict(storage_options or {})
+    if found := re.match(r"^(s3a?://)([^/@]*)@", url):
+        user, _, password = map(unquote, found[2].partition(":"))
+        options = {"key": user, **({"secret": password} if password else {}), **options}
+        url = found[1] + url[found.end():]
+    return url, options
 
 
 def without_userinfo(url: str) -> str:

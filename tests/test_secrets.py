@@ -76,3 +76,28 @@ def test_planted_credentials_appear_in_no_channel(client, s3):
     where = {name: [text[max(0, text.find(s) - 200):text.find(s) + 50] for s in found]
              for name, found in leaks.items() if found for text in [channels[name]]}
     assert not any(leaks.values()), where
+
+
+def test_credentials_in_an_image_folder_url_stay_out_of_its_root_samples_and_errors(s3):
+    """``S3ImageFolder("s3://KEY:SECRET@bucket/x")`` reads with those credentials, but its root, samples, repr
+    and errors show ``s3://bucket/x``: samples are printed, logged and pickled to DataLoader workers."""
+    import io
+
+    from PIL import Image
+
+    endpoint, bucket = s3["endpoint"], s3["bucket"]
+    fs = fsspec.filesystem("s3", **s3["storage_options"])
+    for path in ("imgs/a/1.png", "imgs/b/2.png"):
+        buf = io.BytesIO()
+        Image.new("RGB", (4, 4), (10, 20, 30)).save(buf, format="PNG")
+        fs.pipe(f"{bucket}/{path}", buf.getvalue())
+    data = dask_ddp.S3ImageFolder(f"s3://{KEY}:{SECRET}@{bucket}/imgs",
+                                  storage_options={"client_kwargs": {"endpoint_url": endpoint}})
+    assert data.root == f"s3://{bucket}/imgs"
+    assert [s for s, _ in data.samples] == [f"s3://{bucket}/imgs/a/1.png", f"s3://{bucket}/imgs/b/2.png"]
+    assert data[0][0].size == (4, 4) and data.storage_options["key"] == KEY  # the credentials are used
+    fs.rm(f"{bucket}/imgs/b/2.png")
+    with pytest.raises(FileNotFoundError) as missing:
+        data[1]
+    texts = [data.root, repr(data), str(data), repr(data.samples), repr(data.storage_options), *_texts(missing.value)]
+    assert not [t for t in texts if KEY in t or SECRET in t], texts
