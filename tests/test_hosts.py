@@ -253,6 +253,7 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
         out = job.result(timeout=300)
     finally:
         hosts.restore(victim)
+    print(f"host cut off: first step after the restart {_first_step_after_restart(job) - t_cut:.2f} s after the cut")
     assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
     assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
     assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
@@ -274,6 +275,12 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
                what="6 live workers, 2 per host")
     print(f"all 6 workers live again {time.time() - t_back:.1f} s after the link came back")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
+
+
+def _first_step_after_restart(job) -> float:
+    """When the first step of the job's last attempt was reported (``at``, the rank's clock)."""
+    m = job.metrics
+    return float(m.loc[m["attempt"] == m["attempt"].max(), "at"].min())
 
 
 def _fresh(client, host, hosts) -> int:
@@ -412,7 +419,8 @@ def test_all_workers_of_one_host_killed_at_once(three_hosts, tmp_path):
     wait_until(lambda: any(h[2] == "RESTARTING" for h in job.history), 120, what="the job noticing the kill")
     when = next(h[0] for h in job.history if h[2] == "RESTARTING")
     out = job.result(timeout=300)
-    print(f"all workers of one host killed: the job was RESTARTING {when - t_kill:.2f} s later")
+    print(f"all workers of one host killed: the job was RESTARTING {when - t_kill:.2f} s later, its first step "
+          f"after the restart {_first_step_after_restart(job) - t_kill:.2f} s after the kill")
     assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
     assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
     assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
