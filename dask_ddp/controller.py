@@ -33,6 +33,7 @@ from .outcome import RankOutcome, Status
 from .progress import Progress
 from .record import JobRecord, format_log
 from .spec import LaunchSpec
+from .stragglers import StragglerWatch, publish
 from .task import RankTask, rank_tasks
 
 __all__ = ["Controller", "Attempt", "Callbacks"]
@@ -40,7 +41,7 @@ __all__ = ["Controller", "Attempt", "Callbacks"]
 logger = logging.getLogger("dask_ddp")
 
 DRAIN_WAIT = 5.0  # seconds an ended attempt waits for its ranks' last event batches
-HOOKS = ("on_start", "on_metrics", "on_log", "on_failure", "on_restart", "on_finish")
+HOOKS = ("on_start", "on_metrics", "on_log", "on_telemetry", "on_straggler", "on_failure", "on_restart", "on_finish")
 
 
 class Callbacks:
@@ -100,6 +101,7 @@ class Controller:
         self._restart_need: tuple[int, Any] = (0, None)
         self._decision: policy.Decision | None = None  # the decision a restart acts on
         self.last_report: dict[int, float] = {}  # rank -> clock() of its latest report: the stall clock
+        self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
 
     # ---- driving -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,12 +158,38 @@ class Controller:
                     Progress.write(format_log(item), item.get("stream") == "stderr")
                 if kind in ("metric", "log"):
                     self.callbacks("on_metrics" if kind == "metric" else "on_log", item)
+                elif kind == "telemetry":
+                    self._telemetry(item, now)
+
+    def _telemetry(self, item: dict, now: float) -> None:
+        """Feed the straggler watch; name a straggler once (warning, history, callbacks, the jobs topic)."""
+        self.callbacks("on_telemetry", item)
+        att = self.attempt
+        if self.stragglers is None or att is None or item.get("attempt") != att.index:
+            return
+        found = self.stragglers.update(item, now)
+        if found is None:
+            return
+        r = att.plan.ranks[found.rank]
+        message = found.message(r.address, r.host)
+        with self.record.cond:
+            self.record.stragglers[found.rank] = message
+        self.record.note(f"straggler: {message}")
+        event = {"kind": "straggler", "run": self.run_id, "rank": found.rank, "worker": r.address, "host": r.host,
+                 "cause": found.cause, "time": time.time(), "message": message}
+        self.callbacks("on_straggler", self.owner, event)
+        publish(self.cluster, event)
 
     # ---- running -------------------------------------------------------------------------------------------
     def _launch(self, index: int, plan: planning.RankPlan) -> None:
         tasks = rank_tasks(self.spec, self.run_id, index, plan)
         self.attempt = Attempt(index, plan, tasks, self.cluster.submit(tasks))
         self.last_report.clear()  # the stall clock of each rank restarts at its first report
+        if self.stragglers is not None:
+            self.stragglers.reset()
+        with self.record.cond:
+            self.record.telemetry.clear()
+            self.record.stragglers.clear()
         self.phase = "running"
         self.record.transition("RUNNING", f"attempt {index + 1}: {plan.world_size} ranks on "
                                           f"{', '.join(plan.addresses)}, master {plan.master_addr}")

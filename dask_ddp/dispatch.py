@@ -31,13 +31,13 @@ from . import plugin
 from .errors import ClientClosedError, PlanError, SerializationError
 from . import detach as detach_module
 from .detach import attach
+from .controller import HOOKS
 from .job import Job
 from .spec import LaunchSpec
 
 __all__ = ["run", "attach", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
-HOOKS = ("on_start", "on_metrics", "on_log", "on_failure", "on_restart", "on_finish")
 MAX_NAME = 100
 
 def _local_module(fn: Callable):
@@ -308,4 +308,14 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
                               minimum=0.1, allow_none=True),
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
-        echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options)
+        echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
+        **_telemetry(cfg["telemetry"]))
+
+
+def _telemetry(cfg: dict) -> dict:
+    """The spec's telemetry fields from ``ddp.telemetry`` (both None when it is off)."""
+    if not cfg["enabled"]:
+        return {"telemetry_interval": None, "straggler_window": None}
+    return {"telemetry_interval": _number("ddp.telemetry.interval", cfg["interval"], minimum=0.1),
+            "straggler_window": _number("ddp.telemetry.straggler-window", cfg["straggler-window"], minimum=0,
+                                        allow_none=True)}

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 from tblib import pickling_support
 
-from . import context, devices, network, reporting
+from . import context, devices, network, reporting, telemetry
 from .errors import RankFailedError, RendezvousError
 from .messages import Events, Failed, Flushed, FlushRequest, Port, Ready, Result, Stacks, StacksRequest, Start
 from .task import RankTask
@@ -122,7 +122,9 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     spec = task.rank
     rank, world_size, worker = spec.rank, spec.world_size, spec.address
     buf = reporting.EventBuffer(rank, task.attempt)
-    flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval)
+    sampler = telemetry.start(rank, task.attempt, task.telemetry_interval) if task.telemetry_interval else None
+    flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval,
+                                               sampler)
     timeout = timedelta(seconds=task.timeout)
     try:
         os.environ.update(task.env)
@@ -134,6 +136,8 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
                                                "to choose another", next(iter(pinned.values())), spec.host,
                                                " / ".join(pinned))
         backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend)
+        if sampler is not None:
+            sampler.device = device
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)  # nccl: collectives on it
         _join(store, world_size)

@@ -48,6 +48,9 @@ class JobRecord:
         self.n_metrics = 0
         self.top_step = -1  # the highest step any rank reported
         self.latest = {}  # rank -> its latest report
+        self.telemetry: dict[int, dict] = {}  # rank -> its latest telemetry item (not kept in ``events``)
+        self.stragglers: dict[int, str] = {}  # rank -> the message that named it a straggler (this attempt)
+        self.created = time.time()  # when the job was started: job.metrics's "elapsed" counts from here
         self.error: BaseException | None = None
         self.values: list | None = None
         self.settled = False  # True once the end state is set and on_finish callbacks have run
@@ -56,6 +59,10 @@ class JobRecord:
     def add(self, items: list[dict]) -> None:
         """Keep a delivered batch's items and wake the readers (once per batch: they redraw on each wake)."""
         with self.cond:
+            telemetry = [it for it in items if it.get("kind") == "telemetry"]
+            if telemetry:  # a rank's latest only; its history is the scheduler's page's and the sinks' business
+                self.telemetry.update((it["rank"], it) for it in telemetry)
+                items = [it for it in items if it.get("kind") != "telemetry"]
             for item in items:
                 self.events.append(item)
                 if item.get("kind") == "metric":
@@ -90,6 +97,13 @@ class JobRecord:
             self.history.append((time.time(), old, new, cause))
             self.cond.notify_all()
         logger.info("job %s: %s -> %s (%s)", self.run_id, old, new, cause)
+
+    def note(self, cause: str) -> None:
+        """Keep an event that is no transition in ``history`` (old and new state the same), logged as a warning."""
+        with self.cond:
+            self.history.append((time.time(), self.state, self.state, cause))
+            self.cond.notify_all()
+        logger.warning("job %s: %s", self.run_id, cause)
 
     def settle(self) -> None:
         """The end state is set and its callbacks have run: wake ``result()``."""

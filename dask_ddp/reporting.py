@@ -220,32 +220,40 @@ class Flusher(threading.Thread):
     reporting every step costs, and a rare report still arrives at once.
     """
 
-    def __init__(self, buf: EventBuffer, send: Callable[[list], None], interval: float):
+    def __init__(self, buf: EventBuffer, send: Callable[[list], None], interval: float, sampler=None):
         super().__init__(name="dask-ddp-flusher", daemon=True)
         self.buf, self.send, self.interval = buf, send, interval
+        self.sampler = sampler  # a telemetry.Sampler: adds a telemetry item to a batch when one is due
         self._stop_event = threading.Event()
         self._send_lock = threading.Lock()  # stop() flushes from another thread: batches must not overtake
         self._sent = float("-inf")
 
     def run(self) -> None:
         while not self._stop_event.wait(min(TICK, self.interval)):
-            if self.buf.items and time.monotonic() - self._sent >= self.interval:
+            now = time.monotonic()
+            if self.buf.items:
+                if now - self._sent >= self.interval:
+                    self.flush()
+            elif self.sampler is not None and self.sampler.due(now):  # a quiet rank still sends its telemetry
                 self.flush()
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         with self._send_lock:
             items = self.buf.drain()
+            if self.sampler is not None:  # telemetry rides in the batch that goes anyway
+                items = self.sampler.observe(items, force=final)
             if items:
                 self._sent = time.monotonic()
                 self.send(items)
 
     def stop(self) -> None:
         self._stop_event.set()
-        self.flush()
+        self.flush(final=True)
 
 
-def install(buf: EventBuffer, send: Callable[[list], None], interval: float) -> Flusher:
-    """Make ``buf`` this process's report buffer, forward logging records into it, start the flusher."""
+def install(buf: EventBuffer, send: Callable[[list], None], interval: float, sampler=None) -> Flusher:
+    """Make ``buf`` this process's report buffer, forward logging records into it, start the flusher
+    (which adds ``sampler``'s telemetry items to its batches)."""
     global _BUFFER
     _BUFFER = buf
     os.register_at_fork(after_in_child=_forget_buffer)  # once per rank process: it runs one job
@@ -253,6 +261,6 @@ def install(buf: EventBuffer, send: Callable[[list], None], interval: float) -> 
     root.addHandler(_LogHandler(buf))
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
-    flusher = Flusher(buf, send, interval)
+    flusher = Flusher(buf, send, interval, sampler)
     flusher.start()
     return flusher

@@ -39,6 +39,7 @@ class RankTask:
     spawn_timeout: float = 120
     poll_interval: float = 0.25
     flush_interval: float = 1.0
+    telemetry_interval: float | None = 1.0  # seconds between a rank's telemetry samples; None: off
     max_restarts: int = 0
     checkpoint_dir: str | None = field(default=None, repr=False)  # its URL may carry credentials (userinfo)
     checkpoint_options: dict = field(default_factory=dict, repr=False)  # may hold credentials
@@ -89,7 +90,8 @@ def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> l
     return [RankTask(run_id=run_id, attempt=attempt, rank=r, master_addr=plan.master_addr, backend=spec.backend,
                      call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
                      spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval,
-                     flush_interval=interval, max_restarts=spec.max_restarts,
+                     flush_interval=interval, telemetry_interval=spec.telemetry_interval,
+                     max_restarts=spec.max_restarts,
                      checkpoint_dir=spec.checkpoint_dir, checkpoint_options=spec.checkpoint_options,
                      spare_early=attempt < spec.max_restarts)
             for r in plan.ranks]

@@ -1,0 +1,170 @@
+"""Per-rank telemetry and stragglers on real 2-rank gloo jobs (LocalCluster worker processes, real DDP).
+
+The ranks train a small DDP model on a real ``DataLoader`` whose dataset
+sleeps a known time per batch (input) or whose step sleeps after the
+forward pass (compute); telemetry must show what the ranks really did, and
+the straggler watch must name the rank that was made slow, with its cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import dask
+import pytest
+from _cluster import run, wait_until
+
+STEP_INPUT = 0.15  # seconds a slow loader sleeps per batch
+STEP_COMPUTE = 0.15  # seconds a slow step sleeps after its forward pass
+
+
+def train(steps, input_sleep=None, compute_sleep=None, report=True, batch=8):
+    """A DDP step loop; ``input_sleep``/``compute_sleep`` map rank -> seconds slept per batch / per step."""
+    import time
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, Dataset
+
+    import dask_ddp
+
+    torch.set_num_threads(1)
+    ctx = dask_ddp.get_context()
+    in_sleep = (input_sleep or {}).get(ctx.rank, 0.0)
+    step_sleep = (compute_sleep or {}).get(ctx.rank, 0.0)
+
+    class Slow(Dataset):
+        def __len__(self):
+            return steps * batch
+
+        def __getitem__(self, i):
+            if i % batch == 0 and in_sleep:
+                time.sleep(in_sleep)  # once per batch
+            return torch.randn(4), torch.randn(1)
+
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, (x, y) in enumerate(DataLoader(Slow(), batch_size=batch)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step_sleep:
+            time.sleep(step_sleep)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if report:
+            dask_ddp.report(loss=loss)
+    return ctx.rank
+
+
+def _telemetry_of(job, rank, want=lambda it: True):
+    with job._record.cond:
+        item = job._record.telemetry.get(rank)
+    return item if item is not None and want(item) else None
+
+
+def _collect(job, seconds=None):
+    """Every telemetry item the job's callbacks saw, per rank (on_telemetry)."""
+    return job._seen
+
+
+class Seen:
+    """A callback keeping every telemetry item and straggler event."""
+
+    def __init__(self):
+        self.telemetry, self.stragglers = [], []
+
+    def on_telemetry(self, item):
+        self.telemetry.append(item)
+
+    def on_straggler(self, job, event):
+        self.stragglers.append(event)
+
+
+def _steady(items, rank, skip=2):
+    """The items of ``rank`` with steps, past the first ``skip`` (start-up)."""
+    mine = [it for it in items if it["rank"] == rank and it["steps"]]
+    return mine[skip:]
+
+
+def test_telemetry_fields_and_known_input_wait(client):
+    """A loader sleeping 0.1 s per batch on every rank: input wait is most of each step, on both ranks."""
+    seen = Seen()
+    job = run(client, train, 40, input_sleep={0: 0.1, 1: 0.1}, callbacks=[seen])
+    assert job.result(timeout=180) == [0, 1]
+    for rank in (0, 1):
+        steady = _steady(seen.telemetry, rank)
+        assert len(steady) >= 2, seen.telemetry
+        item = steady[-1]
+        expected = {"kind", "rank", "attempt", "time", "step", "steps", "step_time", "input_wait",
+                    "collective_wait", "samples_per_s", "cpu_percent", "rss_bytes", "gpu_util", "gpu_mem_bytes",
+                    "gpu_mem_peak_bytes", "last_report_age"}
+        assert set(item) == expected
+        assert item["attempt"] == 0 and isinstance(item["rss_bytes"], int) and item["rss_bytes"] > 10_000_000
+        assert item["gpu_util"] is None and item["gpu_mem_bytes"] is None  # CPU ranks
+        step_times = [it["step_time"] for it in steady if it["step_time"]]
+        waits = [it["input_wait"] for it in steady if it["input_wait"] is not None]
+        mean_step = sum(step_times) / len(step_times)
+        mean_wait = sum(waits) / len(waits)
+        # known: 0.1 s of sleep per step, plus a few ms of DDP on a loaded 2-core machine
+        print(f"rank {rank}: step time {mean_step:.3f} s, input wait {mean_wait:.0%}, "
+              f"samples/s {item['samples_per_s']:.1f}")
+        assert 0.1 <= mean_step < 0.25, step_times
+        expected_share = 0.1 / mean_step
+        assert abs(mean_wait - expected_share) < 0.15, (waits, expected_share)
+        assert item["samples_per_s"] == pytest.approx(8 / mean_step, rel=0.5)
+        assert item["collective_wait"] is not None and item["collective_wait"] < 0.5
+        assert item["step"] is not None and item["last_report_age"] is not None and item["last_report_age"] < 5
+
+
+def test_telemetry_without_reports_counts_ddp_steps(client):
+    """No report() at all: steps come from DDP's all-reduce, and the rank still sends telemetry."""
+    seen = Seen()
+    job = run(client, train, 30, input_sleep={0: 0.05, 1: 0.05}, report=False, callbacks=[seen])
+    assert job.result(timeout=180) == [0, 1]
+    steady = _steady(seen.telemetry, 0, skip=1)
+    assert steady and all(it["last_report_age"] is None for it in steady)
+    assert sum(it["steps"] for it in seen.telemetry if it["rank"] == 0) >= 25
+    assert job.metrics.empty
+
+
+def _straggler_job(client, caplog, **slow):
+    seen = Seen()
+    with dask.config.set({"ddp.telemetry.straggler-window": 3}), caplog.at_level(logging.WARNING, "dask_ddp"):
+        job = run(client, train, 60, callbacks=[seen], **slow)
+        job.result(timeout=240)
+    return job, seen
+
+
+@pytest.mark.parametrize("where", ["input", "compute"])
+def test_slow_rank_is_named_with_its_cause(client, caplog, where):
+    kwargs = {"input_sleep": {1: STEP_INPUT}} if where == "input" else {"compute_sleep": {1: STEP_COMPUTE}}
+    job, seen = _straggler_job(client, caplog, **kwargs)
+    assert len(seen.stragglers) == 1, (seen.stragglers, seen.telemetry[-6:])  # once
+    event = seen.stragglers[0]
+    addr = job.plan.ranks[1].address
+    assert event["kind"] == "straggler" and event["run"] == job.run_id
+    assert event["rank"] == 1 and event["cause"] == where and event["worker"] == addr
+    assert event["host"] == job.plan.ranks[1].host
+    notes = [h for h in job.history if h[1] == h[2] and "straggler" in h[3]]
+    assert len(notes) == 1 and "rank 1" in notes[0][3] and addr in notes[0][3]
+    warnings = [r for r in caplog.records if "straggler" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].name == "dask_ddp"
+    assert f"its {where}" in warnings[0].getMessage()
+    assert "straggler" in job._repr_html_()
+
+
+def test_uniformly_slow_job_names_nobody(client, caplog):
+    job, seen = _straggler_job(client, caplog, compute_sleep={0: STEP_COMPUTE, 1: STEP_COMPUTE})
+    assert seen.stragglers == []
+    assert not [r for r in caplog.records if "straggler" in r.getMessage()]
+    assert len(_steady(seen.telemetry, 0)) >= 3  # the job did run long enough to be judged
+
+
+def test_telemetry_off(client):
+    seen = Seen()
+    with dask.config.set({"ddp.telemetry.enabled": False}):
+        job = run(client, train, 20, input_sleep={0: 0.05, 1: 0.05}, callbacks=[seen])
+    assert job.result(timeout=180) == [0, 1]
+    assert seen.telemetry == [] and job._record.telemetry == {}
+    assert len(job.metrics) == 40
