@@ -103,7 +103,8 @@ def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
     with record.cond:
         events, after = record.events_since(n, _BATCH)
         out = {"state": record.state, "history": list(record.history), "events": events, "n": after,
-               "settled": record.settled and after == record.n_events, "plan": job.plan}
+               "settled": record.settled and after == record.n_events, "plan": job.plan,
+               "telemetry": dict(record.telemetry), "stragglers": dict(record.stragglers), "created": record.created}
         if out["settled"]:
             out["outcome"] = cloudpickle.dumps((record.error, record.values))
     return out
@@ -223,6 +224,8 @@ class Follower(Job):
                         Progress.write(format_log(item), item.get("stream") == "stderr")
         with record.cond:
             record.state, record.history = snap["state"], snap["history"]
+            record.telemetry, record.stragglers = snap.get("telemetry", {}), snap.get("stragglers", {})
+            record.created = snap.get("created", record.created)
             if snap["settled"]:
                 record.error, record.values = cloudpickle.loads(snap["outcome"])
                 record.settled = True

@@ -25,6 +25,7 @@ import pandas as pd
 from .checkpoint import job_folder
 from .cluster import DaskCluster
 from .controller import Attempt, Controller
+from .display import job_html
 from .progress import Progress
 from .record import JobRecord, format_log
 from .sinks import plot_metrics
@@ -33,7 +34,7 @@ from .task import topic_of
 
 __all__ = ["Job"]
 
-LEAD = ["rank", "attempt", "step", "time"]
+LEAD = ["rank", "attempt", "step", "time", "elapsed"]
 
 
 class Job:
@@ -158,13 +159,17 @@ class Job:
     # ---- what the ranks sent -------------------------------------------------------------------------------
     @property
     def metrics(self) -> pd.DataFrame:
-        """A pandas DataFrame of the reports so far: rank, attempt, step, time, then the reported keys.
+        """A pandas DataFrame of the reports so far: rank, attempt, step, time, elapsed, then the reported keys.
 
-        The latest ``ddp.events.max-rows`` (100,000) reports; a sink keeps the whole history.
+        ``time`` is when the rank reported (a UTC timestamp), ``elapsed`` the seconds since the job was
+        started. The latest ``ddp.events.max-rows`` (100,000) reports; a sink keeps the whole history.
         """
         with self._record.cond:
             rows = list(self._record.metric_rows)
-        df = pd.DataFrame(rows, columns=None if rows else LEAD)
+        df = pd.DataFrame(rows, columns=None if rows else LEAD[:-1])
+        seconds = df["time"].astype(float)
+        df["elapsed"] = seconds - self._record.created
+        df["time"] = pd.to_datetime(seconds, unit="s", utc=True)
         return df[LEAD + [c for c in df.columns if c not in LEAD and c != "kind"]]
 
     @property
@@ -210,6 +215,10 @@ class Job:
             Nothing reported yet, or ``x``/``y`` names a column the metrics do not have.
         """
         return plot_metrics(self.metrics, y=y, x=x, ax=ax)
+
+    def _repr_html_(self) -> str:
+        """The job in a notebook: state, attempt and the per-rank table (step time, waits, memory, GPU, ...)."""
+        return job_html(self)
 
     def __repr__(self) -> str:
         ranks = self.plan.world_size if self.plan else "?"

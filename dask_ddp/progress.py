@@ -21,8 +21,16 @@ class Progress:
         self.job = job
         self.bar = tqdm(total=total, desc=job.run_id, unit="step", dynamic_ncols=True, leave=True)
         self._seen = 0
+        self.table = None  # in Jupyter, the per-rank table under the bar (a widget, as the bar is)
+        telemetry = getattr(job.spec, "telemetry_interval", 1.0)  # an attached (detached) job's spec has none
+        if type(self.bar).__module__ == "tqdm.notebook" and telemetry is not None:
+            from .display import LiveTable
+
+            self.table = LiveTable(job)
 
     def update(self) -> None:
+        if self.table is not None:
+            self.table.update()
         record = self.job._record
         with record.cond:
             if record.n_metrics == self._seen:
@@ -37,6 +45,8 @@ class Progress:
 
     def close(self) -> None:
         self.update()
+        if self.table is not None:
+            self.table.update(force=True)
         self.bar.set_description(f"{self.job.run_id} {self.job.state}")
         self.bar.close()
 

@@ -33,7 +33,7 @@ from . import storage
 __all__ = ["JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics"]
 
 LEAD = ("rank", "attempt", "step", "time")
-_NOT_PLOTTED = frozenset(LEAD) | {"epoch", "kind"}
+_NOT_PLOTTED = frozenset(LEAD) | {"epoch", "kind", "elapsed"}
 
 
 def _row(event: dict) -> dict:

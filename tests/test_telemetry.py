@@ -57,17 +57,6 @@ def train(steps, input_sleep=None, compute_sleep=None, report=True, batch=8):
     return ctx.rank
 
 
-def _telemetry_of(job, rank, want=lambda it: True):
-    with job._record.cond:
-        item = job._record.telemetry.get(rank)
-    return item if item is not None and want(item) else None
-
-
-def _collect(job, seconds=None):
-    """Every telemetry item the job's callbacks saw, per rank (on_telemetry)."""
-    return job._seen
-
-
 class Seen:
     """A callback keeping every telemetry item and straggler event."""
 
@@ -115,6 +104,15 @@ def test_telemetry_fields_and_known_input_wait(client):
         assert item["samples_per_s"] == pytest.approx(8 / mean_step, rel=0.5)
         assert item["collective_wait"] is not None and item["collective_wait"] < 0.5
         assert item["step"] is not None and item["last_report_age"] is not None and item["last_report_age"] < 5
+    page = job._repr_html_()  # the notebook's view: both ranks, their workers and step times
+    assert "FINISHED" in page and page.count("<tr") == 3
+    for r in job.plan.ranks:
+        assert r.address in page
+    assert page.count(" ms</td>") == 2
+    m = job.metrics
+    assert str(m["time"].dtype) == "datetime64[ns, UTC]" and list(m.columns[:5]) == ["rank", "attempt", "step",
+                                                                                      "time", "elapsed"]
+    assert 0 < m["elapsed"].min() <= m["elapsed"].max() < 180
 
 
 def test_telemetry_without_reports_counts_ddp_steps(client):
