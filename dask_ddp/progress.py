@@ -23,7 +23,8 @@ class Progress:
         self._seen = 0
         self.table = None  # in Jupyter, the per-rank table under the bar (a widget, as the bar is)
         telemetry = getattr(job.spec, "telemetry_interval", 1.0)  # an attached (detached) job's spec has none
-        if type(self.bar).__module__ == "tqdm.notebook" and telemetry is not None:
+        notebook = sys.modules.get("tqdm.notebook")  # imported by tqdm.auto in Jupyter only
+        if notebook is not None and isinstance(self.bar, notebook.tqdm_notebook) and telemetry is not None:
             from .display import LiveTable
 
             self.table = LiveTable(job)

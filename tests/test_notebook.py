@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import sys
@@ -12,7 +13,9 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
 
 
 @pytest.fixture
@@ -22,7 +25,9 @@ def kernel_name(tmp_path, monkeypatch):
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "dask-ddp test", "language": "python"}))
+        "display_name": "dask-ddp test", "language": "python",
+        # the kernel runs in tmp_path: it imports this checkout's dask_ddp, not whichever is installed
+        "env": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     return "dask-ddp-test"
 
@@ -52,7 +57,19 @@ def test_notebook_runs_end_to_end(kernel_name, tmp_path):
     assert float(final.group(1)) < 0.01, "the model did not learn y = x @ w"
     assert "[rank 0] step 0: loss" in text  # the rank's print, echoed in the notebook
 
+    # the bar and the per-rank table under it are widgets (ipywidgets comes with the package): no text bar
+    run_cell = next(c for c in code if "job.result()" in c.source)
+    views = [o for o in run_cell.outputs if WIDGET_VIEW in o.get("data", {})]
+    assert len(views) >= 2, run_cell.outputs  # tqdm's bar, the live table
+    # no cell prints a warning (TqdmWarning: IProgress not found, a FutureWarning, ...)
+    warned = [t for c in code for o in c.outputs for t in [_text(o)] if "Warning" in t or "warn(" in t]
+    assert not warned, warned
+    table = _text(next(c for c in code if c.source.strip() == "job").outputs[0])
+    assert "FINISHED" in table and table.count("<tr") == 3 and " ms</td>" in table  # both ranks, step times
+
     tail = next(c for c in code if "job.metrics.tail()" in c.source)
     assert "loss" in _text(tail.outputs[0]) and "rank" in _text(tail.outputs[0])
+    assert re.search(r"20\d\d-\d\d-\d\d \d\d:\d\d:\d\d", _text(tail.outputs[0])), "time is not a timestamp"
+    assert "e+09" not in _text(tail.outputs[0]) and "elapsed" in _text(tail.outputs[0])
     plot = next(c for c in code if "job.plot(" in c.source)
     assert any("image/png" in o.get("data", {}) for o in plot.outputs), "job.plot() drew no figure"
