@@ -27,6 +27,7 @@ from .errors import (
 )
 from .reporting import report
 from .sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
+from .telemetry import timed
 
 __version__ = "0.1.0"
 
@@ -50,5 +51,5 @@ __all__ = [
     "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
     "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
-    "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics",
+    "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
 ]

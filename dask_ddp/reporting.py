@@ -226,7 +226,8 @@ class Flusher(threading.Thread):
         self.sampler = sampler  # a telemetry.Sampler: adds a telemetry item to a batch when one is due
         self._stop_event = threading.Event()
         self._send_lock = threading.Lock()  # stop() flushes from another thread: batches must not overtake
-        self._sent = float("-inf")
+        self._sent = float("-inf")  # the last batch that carried reports or logs
+        self._any = float("-inf")  # the last batch of any kind
 
     def run(self) -> None:
         while not self._stop_event.wait(min(TICK, self.interval)):
@@ -234,16 +235,20 @@ class Flusher(threading.Thread):
             if self.buf.items:
                 if now - self._sent >= self.interval:
                     self.flush()
-            elif self.sampler is not None and self.sampler.due(now):  # a quiet rank still sends its telemetry
-                self.flush()
+            elif self.sampler is not None and self.sampler.due(now) and now - self._any >= self.interval:
+                self.flush(quiet=True)  # a quiet rank still sends its telemetry, at most once per interval
 
-    def flush(self, final: bool = False) -> None:
+    def flush(self, final: bool = False, quiet: bool = False) -> None:
+        """Send what the buffer holds (and a telemetry item when due). ``quiet``: a telemetry-only batch, which
+        does not hold back the next report (a report after a quiet spell still goes within a tick)."""
         with self._send_lock:
             items = self.buf.drain()
             if self.sampler is not None:  # telemetry rides in the batch that goes anyway
                 items = self.sampler.observe(items, force=final)
             if items:
-                self._sent = time.monotonic()
+                self._any = time.monotonic()
+                if not quiet:
+                    self._sent = self._any
                 self.send(items)
 
     def stop(self) -> None:

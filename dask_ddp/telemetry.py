@@ -121,7 +121,7 @@ def _patch_dataloader() -> None:
         _count_batch(batch, t1 - t0, t1)
         return batch
 
-    __next__._dask_ddp_timed = True
+    __next__._dask_ddp_timed, __next__.__wrapped__ = True, original
     base.__next__ = __next__
 
 
