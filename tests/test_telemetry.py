@@ -19,8 +19,11 @@ STEP_INPUT = 0.15  # seconds a slow loader sleeps per batch
 STEP_COMPUTE = 0.15  # seconds a slow step sleeps after its forward pass
 
 
-def train(steps, input_sleep=None, compute_sleep=None, report=True, batch=8):
-    """A DDP step loop; ``input_sleep``/``compute_sleep`` map rank -> seconds slept per batch / per step."""
+def train(steps, input_sleep=None, compute_sleep=None, report=True, batch=8, source="dataloader"):
+    """A DDP step loop; ``input_sleep``/``compute_sleep`` map rank -> seconds slept per batch / per step.
+
+    ``source``: a ``DataLoader`` (timed by dask-ddp on its own), or a generator wrapped in ``dask_ddp.timed``.
+    """
     import time
 
     import torch
@@ -45,7 +48,14 @@ def train(steps, input_sleep=None, compute_sleep=None, report=True, batch=8):
 
     model = DDP(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step, (x, y) in enumerate(DataLoader(Slow(), batch_size=batch)):
+    def generate():
+        for _ in range(steps):
+            if in_sleep:
+                time.sleep(in_sleep)
+            yield torch.randn(batch, 4), torch.randn(batch, 1)
+
+    data = DataLoader(Slow(), batch_size=batch) if source == "dataloader" else dask_ddp.timed(generate())
+    for step, (x, y) in enumerate(data):
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step_sleep:
             time.sleep(step_sleep)
@@ -115,15 +125,54 @@ def test_telemetry_fields_and_known_input_wait(client):
     assert 0 < m["elapsed"].min() <= m["elapsed"].max() < 180
 
 
-def test_telemetry_without_reports_counts_ddp_steps(client):
-    """No report() at all: steps come from DDP's all-reduce, and the rank still sends telemetry."""
+def test_telemetry_without_reports_counts_ddp_steps_and_times_a_generator(client):
+    """No report() at all and no DataLoader: steps come from DDP's all-reduce, input wait from dask_ddp.timed."""
     seen = Seen()
-    job = run(client, train, 30, input_sleep={0: 0.05, 1: 0.05}, report=False, callbacks=[seen])
+    job = run(client, train, 30, input_sleep={0: 0.08, 1: 0.08}, report=False, source="timed", callbacks=[seen])
     assert job.result(timeout=180) == [0, 1]
     steady = _steady(seen.telemetry, 0, skip=1)
     assert steady and all(it["last_report_age"] is None for it in steady)
     assert sum(it["steps"] for it in seen.telemetry if it["rank"] == 0) >= 25
+    waits = [it["input_wait"] for it in steady if it["input_wait"] is not None]
+    assert waits and 0.5 < sum(waits) / len(waits) <= 1.0, waits  # 80 ms of each ~85 ms step
     assert job.metrics.empty
+
+
+def hooks(user_hook):
+    """Rank: dask-ddp's timing hook gives DDP's own gradients; a user's hook registered later is used and timed."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    hooked, plain = DDP(torch.nn.Linear(7, 3)), DDP(torch.nn.Linear(7, 3))
+    plain.module.load_state_dict(hooked.module.state_dict())
+    assert hasattr(hooked, "_dask_ddp_timing") and not hasattr(plain, "_dask_ddp_timing")
+    calls = []
+    if user_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def mine(state, bucket):
+            calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        hooked.register_comm_hook(None, mine)  # after construction, as users do
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(torch.distributed.get_rank())) * 3
+    for model in (hooked, plain):
+        model(x).pow(2).sum().backward()
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(hooked.parameters(), plain.parameters()))
+    from dask_ddp.telemetry import COUNTERS
+
+    return {"same": same, "calls": len(calls), "ddp_steps": COUNTERS.ddp_steps, "wait": COUNTERS.coll_wait}
+
+
+@pytest.mark.parametrize("user_hook", [False, True])
+def test_timing_hook_keeps_ddp_numbers_and_user_hooks(client, user_hook):
+    out = run(client, hooks, user_hook).result(timeout=180)
+    for rank in out:
+        assert rank["ddp_steps"] == 1 and rank["wait"] >= 0
+        assert rank["calls"] == (1 if user_hook else 0)
+        if not user_hook:
+            assert rank["same"], "the timing hook changed DDP's averaged gradients"
 
 
 def _straggler_job(client, caplog, **slow):
