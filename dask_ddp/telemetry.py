@@ -161,13 +161,14 @@ class Sampler:
 
     def observe(self, items: list[dict], force: bool = False) -> list[dict]:
         """Note the reports among ``items``; append a telemetry item when one is due (or ``force``)."""
+        reported = False
         for item in items:
             if item.get("kind") == "metric":
                 if item["step"] != self._step:
                     self._report_steps += 1
                     self._step = item["step"]
-                self._report_time = item["time"]
-        if items and self._report_time is not None and items[-1].get("kind") == "metric":
+                self._report_time, reported = item["time"], True
+        if reported:  # the last report's time on the step clock (perf_counter)
             self._report_mark = time.perf_counter() - max(0.0, time.time() - self._report_time)
         now = time.monotonic()
         if force or self.due(now):

@@ -1,0 +1,81 @@
+"""The rank's telemetry sampler on its own (no cluster): the window arithmetic over known counter values."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dask_ddp.telemetry import Counters, Sampler, _batch_size, timed
+
+
+def steps(c: Counters, n: int, at: float, wait: float = 0.0, input_wait: float = 0.0, batch: int = 0):
+    c.ddp_steps += n
+    c.last_ddp_step = at
+    c.coll_wait += wait
+    c.input_wait += input_wait
+    if batch:
+        c.batches += n
+        c.samples += n * batch
+        c.samples_known = True
+        c.last_batch = at
+
+
+def test_ddp_windows():
+    c = Counters()
+    c.ddp_timed = True
+    s = Sampler(rank=1, attempt=2, counters=c)
+    steps(c, 3, at=10.0, batch=16)
+    first = s.sample()
+    assert first["steps"] == 3 and first["step_time"] is None  # no earlier boundary to time from
+    steps(c, 10, at=12.0, wait=0.5, input_wait=1.0, batch=16)  # 10 steps in 2 s
+    item = s.sample()
+    assert (item["rank"], item["attempt"], item["steps"]) == (1, 2, 10)
+    assert item["step_time"] == pytest.approx(0.2)
+    assert item["collective_wait"] == pytest.approx(0.25) and item["input_wait"] == pytest.approx(0.5)
+    assert item["samples_per_s"] == pytest.approx(80.0)
+    assert item["step"] == 13 and item["last_report_age"] is None
+    assert item["rss_bytes"] > 0 and item["gpu_mem_bytes"] is None
+    quiet = s.sample()  # a step longer than the window: no steps, its waits wait for the step's end
+    assert quiet["steps"] == 0 and quiet["step_time"] is None and quiet["input_wait"] is None
+    c.input_wait += 0.9
+    assert s.sample()["steps"] == 0
+    steps(c, 1, at=13.0, input_wait=0.05)
+    assert s.sample()["input_wait"] == pytest.approx(0.95)  # both parts of the long step, over its 1 s
+
+
+def test_reports_delimit_steps_without_ddp():
+    c = Counters()
+    s = Sampler(rank=0, attempt=0, counters=c)
+    now = time.time()
+    items = [{"kind": "metric", "rank": 0, "attempt": 0, "step": i, "time": now} for i in range(5)]
+    items.append({"kind": "metric", "rank": 0, "attempt": 0, "step": 4, "time": now})  # two reports, one step
+    out = s.observe(items, force=True)
+    assert out[-1]["kind"] == "telemetry" and out[-1]["steps"] == 5 and out[-1]["step"] == 4
+    assert out[-1]["collective_wait"] is None and out[-1]["input_wait"] is None  # no DDP model, no loader
+    assert out[-1]["last_report_age"] < 1.0
+    assert s.observe([], force=False) == []  # not due yet: nothing added
+
+
+def test_timed_counts_waits_and_samples():
+    import torch
+
+    c = Counters()
+    import dask_ddp.telemetry as telemetry
+
+    saved, telemetry.COUNTERS = telemetry.COUNTERS, c
+    try:
+        def slow():
+            for _ in range(3):
+                time.sleep(0.05)
+                yield torch.zeros(4, 2), torch.zeros(4)
+        assert len(list(timed(slow()))) == 3
+    finally:
+        telemetry.COUNTERS = saved
+    assert c.batches == 3 and c.samples == 12 and 0.14 < c.input_wait < 1.0
+
+
+@pytest.mark.parametrize("batch, size", [((list(range(3)),), None), ({"x": __import__("torch").zeros(5, 1)}, 5),
+                                         ([__import__("torch").zeros(7)], 7), ("text", None)])
+def test_batch_size(batch, size):
+    assert _batch_size(batch) == size
