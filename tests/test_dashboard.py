@@ -92,8 +92,9 @@ def per_rank(samples, run_id: str) -> dict[int, float]:
 
 # ---- the scheduler's state, fed by hand ------------------------------------------------------------------------
 def batch(run_id: str, rank: int, *items, attempt: int = 0) -> tuple[str, dict]:
+    # as the scheduler gets it: Dask's wire (msgpack) turns lists into tuples
     return f"dask-ddp-{run_id}", {"run": f"{run_id}-{attempt}", "rank": rank, "attempt": attempt, "seq": 0,
-                                  "items": list(items)}
+                                  "items": tuple(items)}
 
 
 def test_state_keeps_each_ranks_latest_telemetry_and_its_step_times():

@@ -134,7 +134,7 @@ class DashboardState:
 
     def _batch(self, topic: str, msg: dict) -> bool:
         items = msg.get("items")
-        if not isinstance(items, list):
+        if not isinstance(items, (list, tuple)):  # Dask's wire (msgpack) delivers lists as tuples
             return False
         run = topic[len(JOB_TOPIC_PREFIX):]
         attempt = int(msg.get("attempt") or 0)
