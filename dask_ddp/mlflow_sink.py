@@ -2,8 +2,8 @@
 
 Runs in: the client, in the job's watcher thread (a callback, like the sinks of :mod:`dask_ddp.sinks`).
 
-Needs MLflow's tracking client (``pip install 'dask-ddp[mlflow]'``, which brings ``mlflow-skinny``; a full
-``mlflow`` works too). Pass it to ``run``::
+Needs MLflow's tracking client (``pip install 'dask-ddp[mlflow]'``, which brings ``mlflow-skinny``; the full
+``mlflow`` package has the same client). Pass it to ``run``::
 
     job = dask_ddp.dispatch.run(client, train, 10, lr=0.1,
                                 callbacks=[dask_ddp.MLflowSink("http://mlflow:5000", experiment="digits")])

@@ -63,8 +63,8 @@ class DDPCollector:
                         continue
                     job_info.add_metric([job.run, job.name, job.state, str(job.attempt + 1)], 1)
                     _add_ranks(families, straggler, rank_info, job.run, rank_rows(job, now))
-        yield from families.values()
-        yield from (straggler, rank_info, job_info)
+        # only families with samples: a scheduler without a running dask-ddp job shows no dask_ddp_ lines
+        yield from (f for f in (*families.values(), straggler, rank_info, job_info) if f.samples)
 
 
 def _add_ranks(families, straggler, rank_info, run: str, rows: dict) -> None:

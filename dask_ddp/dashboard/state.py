@@ -95,7 +95,7 @@ class DashboardState:
                 used = self._job_message(msg) if topic == JOBS_TOPIC else self._batch(topic, msg)
                 self.version += used
                 return used
-        except (TypeError, ValueError, KeyError, AttributeError):  # a malformed message: never the scheduler's fault
+        except Exception:  # noqa: BLE001 - a malformed message (a user's odd report) must never reach the scheduler
             return False
 
     def _job_message(self, msg: dict) -> bool:
