@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+import dask
 import pytest
 from _cluster import local_client, run, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -165,6 +166,9 @@ def test_nothing_of_dask_ddp_is_on_a_scheduler_before_its_first_job():
         assert get(url + "/ddp")[0] == 404
         assert "individual-ddp" not in get(url + "/individual-plots.json")[1]
         assert "dask_ddp_" not in get(url + "/metrics")[1]
+        with dask.config.set({"ddp.dashboard.enabled": False}):  # the opt-out
+            assert run(client, one_step).result(timeout=120) == [0]
+        assert NAME not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
         assert run(client, one_step).result(timeout=120) == [0]
         assert NAME in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
         assert get(url + "/ddp")[0] == 200

@@ -19,6 +19,7 @@ __all__ = ["DDPDashboard", "install", "NAME"]
 logger = logging.getLogger("dask_ddp")
 
 NAME = "dask-ddp-dashboard"
+_WARNED: set[str] = set()  # schedulers whose refusal was logged: once each, not at every job
 
 
 class DDPDashboard(SchedulerPlugin):
@@ -67,7 +68,8 @@ def install(client) -> bool:
     """Install :class:`DDPDashboard` on ``client``'s scheduler (once; later calls cost one round trip).
 
     Never raises: a scheduler that cannot load dask-ddp (not installed where it runs) or refuses the plugin
-    leaves the job without a dashboard page, with a warning. ``ddp.dashboard.enabled: false`` skips it.
+    leaves the job without a dashboard page, with a warning (once per scheduler). ``ddp.dashboard.enabled: false``
+    skips it.
     Returns True when the plugin is there.
     """
     cfg = dask.config.get("ddp.dashboard", default={}) or {}
@@ -77,6 +79,10 @@ def install(client) -> bool:
         client.register_plugin(DDPDashboard(cfg.get("keep-jobs", 20), cfg.get("history", 120)), name=NAME)
         return True
     except Exception as exc:  # noqa: BLE001 - the dashboard never stops a job
+        where = str(getattr(getattr(client, "scheduler", None), "address", ""))
+        if where in _WARNED:
+            return False
+        _WARNED.add(where)
         logger.warning("dask-ddp: no DDP page or dask_ddp_ gauges on this cluster's scheduler: installing its "
                        "plugin failed (%r). Install dask-ddp where the scheduler runs (the docker/ images have "
                        "it), or set ddp.dashboard.enabled: false to skip it", exc)
