@@ -158,6 +158,49 @@ def test_publish_never_raises_and_needs_a_running_client():
     publish(Broken(), {"kind": "job"})
 
 
+def test_the_controller_tells_the_scheduler_every_transition_with_its_attempt_and_ranks():
+    """Stepped against test_controller's fake cluster; its client only records what would go to the scheduler."""
+    from test_controller import Clock, FakeCluster, run_until_ended
+
+    from dask_ddp.controller import Controller
+    from dask_ddp.plan import make_plan, workers_from_scheduler_info
+    from dask_ddp.record import JobRecord
+    from dask_ddp.spec import LaunchSpec
+
+    class Loop:
+        sent: list = []
+
+        def add_callback(self, fn, client, msg):
+            self.sent.append(msg)
+
+    class Client:
+        status, loop = "running", Loop()
+
+    cluster = FakeCluster(2)
+    cluster.client = Client()
+    plan = make_plan(workers_from_scheduler_info({"workers": cluster.scheduler_workers}), None)
+    spec = LaunchSpec(call=b"", fn_name="train", run_id="job-1", first_plan=plan, workers=None, echo_logs=False,
+                      worker_timeout=None, max_restarts=1, backend="gloo")
+    ctl = Controller(spec, "job-1", cluster, JobRecord("job-1"), owner="JOB", clock=Clock())
+    ctl.start()
+    cluster.end(0, "died")
+    cluster.end(1, "aborted")
+    ctl.step(0)
+    cluster.end(0, "ok", value=1)
+    cluster.end(1, "ok", value=2)
+    run_until_ended(ctl)
+    sent = Loop.sent
+    assert [(m["state"], m["attempt"]) for m in sent] == [("PENDING", 0), ("RUNNING", 0), ("RESTARTING", 0),
+                                                          ("RUNNING", 1), ("FINISHED", 1)]
+    assert all(m["kind"] == "job" and m["run"] == "job-1" and m["name"] == "train" for m in sent)
+    assert sent[-1]["ranks"] == [{"rank": r.rank, "worker": r.address, "host": r.host, "device": "cpu"}
+                                 for r in plan.ranks]
+    state = DashboardState()
+    for m in sent:
+        state.feed(JOBS_TOPIC, m)
+    assert (state.jobs["job-1"].state, state.jobs["job-1"].attempt) == ("FINISHED", 1)
+
+
 # ---- a real scheduler ----------------------------------------------------------------------------------------
 def test_nothing_of_dask_ddp_is_on_a_scheduler_before_its_first_job():
     with local_client(1) as client:
