@@ -115,6 +115,18 @@ def test_state_keeps_each_ranks_latest_telemetry_and_its_step_times():
     assert [round(s, 3) for _, s in job.ranks[1].history] == [0.3, 0.4, 0.5]  # bounded: the latest 3
 
 
+def test_the_page_shows_gpu_telemetry_and_the_device_it_implies():
+    """No GPU here: the values a GPU rank sends (the agreed fields) are fed by hand."""
+    from dask_ddp.dashboard.page import rank_table
+
+    state = DashboardState()
+    state.feed(*batch("g-0a1b2c3d", 0, telemetry(0, 9, 0.25, gpu_util=87.0, gpu_mem_bytes=3 * 2**30,
+                                                 gpu_mem_peak_bytes=5 * 2**30)))
+    table = rank_table(state.jobs["g-0a1b2c3d"], now=time.time())
+    assert table["gpu"] == ["87 % 3.00 GiB (peak 5.00 GiB)"] and table["device"] == ["cuda"]
+    assert table["step_time"] == ["250.0 ms"] and table["samples_per_s"] == ["128.0"]
+
+
 def test_state_ignores_other_topics_malformed_messages_and_late_ones():
     state = DashboardState()
     assert not state.feed("all", {"action": "remove-worker"})
