@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 # imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile. The client's
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
 _LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data", "Job": "job", "dispatch": None, "attach": "detach",
-         "DetachedJobNotFound": "detach"}
+         "DetachedJobNotFound": "detach", "MLflowSink": "mlflow_sink"}
 
 
 def __getattr__(name: str):
@@ -52,4 +52,5 @@ __all__ = [
     "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
+    "MLflowSink",
 ]

@@ -26,6 +26,7 @@ import cloudpickle
 
 from . import plan as planning
 from . import policy
+from .dashboard import jobs as dashboard_jobs
 from .errors import DaskDDPError, JobCancelledError, StallError
 from .events import EventOrder
 from .liveness import SilenceWatch
@@ -107,6 +108,7 @@ class Controller:
     def start(self) -> None:
         """Launch the first attempt (the events topic is subscribed already)."""
         self._deliver(self.cluster.backfill())
+        self._announce("PENDING", self.spec.first_plan)
         self._launch(0, self.spec.first_plan)
         self.callbacks("on_start", self.owner)
 
@@ -191,8 +193,8 @@ class Controller:
             self.record.telemetry.clear()
             self.record.stragglers.clear()
         self.phase = "running"
-        self.record.transition("RUNNING", f"attempt {index + 1}: {plan.world_size} ranks on "
-                                          f"{', '.join(plan.addresses)}, master {plan.master_addr}")
+        self._transition("RUNNING", f"attempt {index + 1}: {plan.world_size} ranks on "
+                                    f"{', '.join(plan.addresses)}, master {plan.master_addr}")
         if self.cancel_requested:
             self._abort("cancel() was called")
 
@@ -275,7 +277,7 @@ class Controller:
             self._end("FAILED", policy.root_error(decision, att.outcomes.values(), self.run_id), decision.reason)
 
     def _begin_restart(self, att: Attempt, decision: policy.Decision) -> None:
-        self.record.transition("RESTARTING", decision.reason)
+        self._transition("RESTARTING", decision.reason)
         self.callbacks("on_restart", self.owner, att.index + 1)
         self._restart_need = policy.restart_request(self.spec.workers, att.plan.world_size)
         self._decision = decision
@@ -303,6 +305,17 @@ class Controller:
                            att.index + 2, plan.world_size, att.index + 1, att.plan.world_size)
         self._launch(att.index + 1, plan)
 
+    # ---- state ----------------------------------------------------------------------------------------------
+    def _transition(self, state: str, cause: str) -> None:
+        self.record.transition(state, cause)
+        self._announce(state, self.attempt.plan if self.attempt else self.spec.first_plan)
+
+    def _announce(self, state: str, plan) -> None:
+        """Tell the scheduler's DDP page (``dask-ddp-jobs``); a cluster port without a client (a test's) has none."""
+        msg = dashboard_jobs.job_message(self.run_id, self.spec.name or self.spec.fn_name, state,
+                                         self.attempt.index if self.attempt else 0, plan, self.spec.backend)
+        dashboard_jobs.publish(getattr(self.cluster, "client", None), msg)
+
     # ---- acting --------------------------------------------------------------------------------------------
     def _abort(self, cause: str) -> None:
         if self.attempt is None or self.phase not in ("running", "new"):
@@ -316,7 +329,7 @@ class Controller:
     def _end(self, state: str, error: BaseException | None, cause: str = "", values: list | None = None) -> None:
         self.phase = "ended"
         self.record.error, self.record.values = error, values
-        self.record.transition(state, cause or (str(error) if error else ""))
+        self._transition(state, cause or (str(error) if error else ""))
         if error is not None:
             self.callbacks("on_failure", self.owner, error)
         self.callbacks("on_finish", self.owner)  # before waking result(): a sink's file is complete when it returns

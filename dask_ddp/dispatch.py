@@ -28,6 +28,7 @@ import dask
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import plan as planning
 from . import plugin
+from .dashboard import install as install_dashboard
 from .errors import ClientClosedError, PlanError, SerializationError
 from . import detach as detach_module
 from .detach import attach
@@ -184,6 +185,7 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
                       name=name, callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
                       max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, timeout=timeout,
                       checkpoint_options=checkpoint_options)
+    install_dashboard(client)  # the DDP page and /metrics gauges on the scheduler (once; never raises)
     return detach_module.launch(client, spec) if detach else Job(client, spec)._start()
 
 

@@ -1,0 +1,223 @@
+"""What the scheduler knows of dask-ddp jobs: their state, and each rank's latest telemetry and step times.
+
+Runs in: the scheduler's process (fed by :class:`~dask_ddp.dashboard.plugin.DDPDashboard`'s ``log_event``
+hook; read by the page and the Prometheus collector). Pure bookkeeping, no I/O: tests feed it messages.
+
+Two kinds of messages arrive:
+
+- on a job's own topic (``dask-ddp-<run_id>``), the ranks' event batches
+  ``{"run", "rank", "attempt", "seq", "items": [...]}``: items of kind ``"telemetry"`` (one a second per
+  rank) update the rank's row and its step-time history; the last ``"metric"`` item of a batch updates
+  its step and when it was last seen;
+- on ``dask-ddp-jobs``, what the client's controller says: ``{"kind": "job", "run", "name", "state",
+  "attempt", "time", "ranks": [{"rank", "worker", "host", "device"}]}`` at every state transition and
+  ``{"kind": "straggler", "run", "rank", "worker", "host", "cause", "time", "message"}``.
+
+Everything is bounded: the last ``keep_jobs`` jobs (ended ones are dropped first), ``history`` step times
+per rank, ``MAX_STRAGGLERS`` straggler messages per job. A message that does not parse is ignored, never
+raised: it arrives on the scheduler's event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from .jobs import JOB_TOPIC_PREFIX, JOBS_TOPIC
+
+__all__ = ["DashboardState", "JobView", "RankView", "ENDED", "rank_rows"]
+
+ENDED = ("FINISHED", "FAILED", "CANCELLED")
+MAX_STRAGGLERS = 20
+TELEMETRY_FIELDS = ("step_time", "input_wait", "collective_wait", "samples_per_s", "cpu_percent", "rss_bytes",
+                    "gpu_util", "gpu_mem_bytes", "gpu_mem_peak_bytes", "last_report_age")
+
+
+@dataclass
+class RankView:
+    """One rank of a job's current attempt, as the scheduler last heard of it."""
+
+    rank: int
+    worker: str | None = None
+    host: str | None = None
+    device: str | None = None
+    step: int | None = None
+    seen: float | None = None  # unix time of the rank's latest item (telemetry or report)
+    telemetry: dict = field(default_factory=dict)  # its latest telemetry item
+    history: deque = field(default_factory=lambda: deque(maxlen=120))  # (unix time, step time s)
+    straggler: str | None = None  # "input" or "compute" once the job named it a straggler
+
+
+@dataclass
+class JobView:
+    """One job: its name, state and attempt, and the ranks of its current attempt."""
+
+    run: str
+    name: str
+    state: str = "RUNNING"
+    attempt: int = 0
+    started: float = 0.0
+    updated: float = 0.0  # time of the latest job message (older ones arriving late are ignored)
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    stragglers: deque = field(default_factory=lambda: deque(maxlen=MAX_STRAGGLERS))
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+
+class DashboardState:
+    """The latest jobs and their ranks, fed by :meth:`feed`; thread-safe (the page reads from Bokeh callbacks).
+
+    Parameters
+    ----------
+    keep_jobs : int
+        Jobs held; past it the oldest ended job goes (the oldest job when none has ended).
+    history : int
+        Step-time points held per rank for the chart.
+    """
+
+    def __init__(self, keep_jobs: int = 20, history: int = 120):
+        self.keep_jobs, self.history = max(1, int(keep_jobs)), max(2, int(history))
+        self.jobs: OrderedDict[str, JobView] = OrderedDict()
+        self.lock = threading.Lock()
+        self.version = 0  # bumped on every change: readers redraw only when it moved
+
+    # ---- feeding -------------------------------------------------------------------------------------------
+    def feed(self, topic: str, msg) -> bool:
+        """Take one message logged on ``topic``; True if it was a dask-ddp message this state used."""
+        if not isinstance(topic, str) or not topic.startswith(JOB_TOPIC_PREFIX) or not isinstance(msg, dict):
+            return False
+        try:
+            with self.lock:
+                used = self._job_message(msg) if topic == JOBS_TOPIC else self._batch(topic, msg)
+                self.version += used
+                return used
+        except Exception:  # noqa: BLE001 - a malformed message (a user's odd report) must never reach the scheduler
+            return False
+
+    def _job_message(self, msg: dict) -> bool:
+        kind, run = msg.get("kind"), msg.get("run")
+        if not isinstance(run, str):
+            return False
+        if kind == "job":
+            return self._job(run, msg)
+        if kind == "straggler":
+            return self._straggler(run, msg)
+        return False
+
+    def _job(self, run: str, msg: dict) -> bool:
+        at = float(msg.get("time") or time.time())
+        job = self._get(run, msg.get("name"), at)
+        if at < job.updated:
+            return False  # an older transition arriving late
+        job.updated, job.state = at, str(msg.get("state") or job.state)
+        job.name = str(msg.get("name") or job.name)
+        attempt = int(msg.get("attempt") or 0)
+        if attempt != job.attempt or not job.ranks:
+            job.attempt, job.ranks = attempt, {}
+        for r in msg.get("ranks") or ():
+            view = job.ranks.setdefault(int(r["rank"]), RankView(int(r["rank"]), history=deque(maxlen=self.history)))
+            view.worker, view.host = r.get("worker") or view.worker, r.get("host") or view.host
+            view.device = r.get("device") or view.device
+        return True
+
+    def _straggler(self, run: str, msg: dict) -> bool:
+        job = self._get(run, None, float(msg.get("time") or time.time()))
+        view = self._rank(job, int(msg["rank"]))
+        view.straggler = str(msg.get("cause") or "unknown")
+        view.worker, view.host = msg.get("worker") or view.worker, msg.get("host") or view.host
+        job.stragglers.append({k: msg.get(k) for k in ("rank", "worker", "host", "cause", "time", "message")})
+        return True
+
+    def _batch(self, topic: str, msg: dict) -> bool:
+        items = msg.get("items")
+        if not isinstance(items, (list, tuple)):  # Dask's wire (msgpack) delivers lists as tuples
+            return False
+        run = topic[len(JOB_TOPIC_PREFIX):]
+        attempt = int(msg.get("attempt") or 0)
+        job = self.jobs.get(run)
+        if job is not None and attempt < job.attempt:
+            return False  # a late batch of an attempt that was replaced
+        used = False
+        for item in items:
+            if isinstance(item, dict) and item.get("kind") == "telemetry":
+                self._telemetry(self._get(run, None, item.get("time")), attempt, item)
+                used = True
+        last = next((i for i in reversed(items) if isinstance(i, dict) and i.get("kind") == "metric"), None)
+        if last is not None:
+            view = self._rank(self._at_attempt(self._get(run, None, last.get("time")), attempt), int(last["rank"]))
+            view.step, view.seen = last.get("step", view.step), _max(view.seen, last.get("time"))
+            used = True
+        return used
+
+    def _telemetry(self, job: JobView, attempt: int, item: dict) -> None:
+        view = self._rank(self._at_attempt(job, attempt), int(item["rank"]))
+        view.telemetry = {k: item.get(k) for k in TELEMETRY_FIELDS}
+        at = item.get("time")
+        if item.get("step") is not None:
+            view.step = item["step"]
+        view.seen = _max(view.seen, at)
+        if item.get("step_time") is not None and at is not None:
+            view.history.append((float(at), float(item["step_time"])))
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def _get(self, run: str, name, at) -> JobView:
+        job = self.jobs.get(run)
+        if job is None:
+            at = float(at or time.time())
+            # the run id is the job's name made safe plus 8 hex digits: the best name until the job says its own
+            job = self.jobs[run] = JobView(run, str(name or run.rsplit("-", 1)[0]), started=at)
+            self._trim()
+        return job
+
+    def _at_attempt(self, job: JobView, attempt: int) -> JobView:
+        if attempt > job.attempt:  # the ranks report a restart before the controller's message arrived
+            job.attempt, job.ranks = attempt, {}
+        return job
+
+    def _rank(self, job: JobView, rank: int) -> RankView:
+        view = job.ranks.get(rank)
+        if view is None:
+            view = job.ranks[rank] = RankView(rank, history=deque(maxlen=self.history))
+        return view
+
+    def _trim(self) -> None:
+        while len(self.jobs) > self.keep_jobs:
+            ended = next((run for run, job in self.jobs.items() if job.ended), None)
+            self.jobs.pop(ended if ended is not None else next(iter(self.jobs)))
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def snapshot(self) -> list[JobView]:
+        """The jobs held, newest first (the views themselves: read them under :attr:`lock`)."""
+        with self.lock:
+            return sorted(self.jobs.values(), key=lambda j: j.started, reverse=True)
+
+
+def _max(a, b):
+    if b is None:
+        return a
+    return float(b) if a is None else max(a, float(b))
+
+
+def rank_rows(job: JobView, now: float | None = None) -> dict[str, list]:
+    """The per-rank table of ``job`` as columns (one entry per rank, in rank order); call under the state's lock.
+
+    ``last_seen`` is seconds since the rank's latest item; missing values are None (the page shows blanks).
+    """
+    now = time.time() if now is None else now
+    views = [job.ranks[r] for r in sorted(job.ranks)]
+    cols: dict[str, list] = {k: [] for k in ("rank", "worker", "host", "device", "step", "last_seen", "straggler",
+                                             *TELEMETRY_FIELDS)}
+    for v in views:
+        t = v.telemetry
+        device = v.device or (None if not t else "cuda" if t.get("gpu_mem_bytes") is not None else "cpu")
+        for key, value in (("rank", v.rank), ("worker", v.worker), ("host", v.host), ("device", device),
+                           ("step", v.step), ("last_seen", None if v.seen is None else max(0.0, now - v.seen)),
+                           ("straggler", v.straggler)):
+            cols[key].append(value)
+        for key in TELEMETRY_FIELDS:
+            cols[key].append(t.get(key))
+    return cols

@@ -1,0 +1,345 @@
+"""The DDP page of the Dask dashboard, the ``dask_ddp_`` gauges on ``/metrics``, and the page in a real browser.
+
+Real parts: LocalClusters of worker processes with the scheduler's real dashboard (Bokeh, tornado, on a
+port of its own), real 2-rank gloo jobs, ``/metrics`` parsed with ``prometheus_client``'s parser, the page's
+live Bokeh document pulled over its websocket, and headless Chromium (Debian's) through Selenium.
+
+Until the telemetry of issue 16 (items 1-2) is merged, the training function sends telemetry items of the
+agreed shape itself, through the rank's real event path (``reporting._BUFFER``: the same batches, supervisor,
+relay and ``worker.log_event`` that carry reports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+
+import dask
+import pytest
+from _cluster import local_client, run, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+import dask_ddp
+from dask_ddp.dashboard import JOBS_TOPIC, job_message, publish
+from dask_ddp.dashboard.plugin import NAME
+from dask_ddp.dashboard.state import DashboardState, rank_rows
+
+STEP_TIMES = (0.05, 0.12)  # what each rank says its steps take: rank 1 is the slow one
+SCREENSHOT = os.path.join(os.path.dirname(__file__), "..", "docs", "img", "ddp-dashboard.png")
+
+
+def telemetry(rank: int, step: int, step_time: float, attempt: int = 0, at: float | None = None, **kw) -> dict:
+    """A telemetry item of the shape the two halves of issue 16 agreed on."""
+    item = {"kind": "telemetry", "rank": rank, "attempt": attempt, "time": time.time() if at is None else at,
+            "step": step, "steps": 5, "step_time": step_time, "input_wait": 0.25, "collective_wait": 0.1,
+            "samples_per_s": 32 / step_time, "cpu_percent": 97.0, "rss_bytes": 300 * 2**20, "gpu_util": None,
+            "gpu_mem_bytes": None, "gpu_mem_peak_bytes": None, "last_report_age": 0.01}
+    return item | kw
+
+
+def train_until(stop_file: str, max_steps: int = 100_000):
+    """Report every step; send a telemetry item every 0.5 s; stop when ``stop_file`` exists."""
+    from dask_ddp import reporting
+
+    ctx = dask_ddp.get_context()
+    last = 0.0
+    for step in range(max_steps):
+        time.sleep(0.02)
+        dask_ddp.report(loss=1.0 / (step + 1))
+        if time.time() - last > 0.5:
+            reporting._BUFFER.add(telemetry(ctx.rank, step, STEP_TIMES[ctx.rank], ctx.restart_count))
+            last = time.time()
+            if os.path.exists(stop_file):
+                return step
+    return max_steps
+
+
+def one_step():
+    dask_ddp.report(loss=1.0)
+    return dask_ddp.get_context().rank
+
+
+def base_url(client) -> str:
+    return client.dashboard_link.rsplit("/", 1)[0]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def scrape(client) -> dict:
+    """``/metrics`` parsed by prometheus_client: ``{name: [(labels, value)]}`` of the dask_ddp_ families."""
+    status, text = get(base_url(client) + "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("dask_ddp_"):
+                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def per_rank(samples, run_id: str) -> dict[int, float]:
+    return {int(labels["rank"]): value for labels, value in samples if labels["job"] == run_id}
+
+
+# ---- the scheduler's state, fed by hand ------------------------------------------------------------------------
+def batch(run_id: str, rank: int, *items, attempt: int = 0) -> tuple[str, dict]:
+    # as the scheduler gets it: Dask's wire (msgpack) turns lists into tuples
+    return f"dask-ddp-{run_id}", {"run": f"{run_id}-{attempt}", "rank": rank, "attempt": attempt, "seq": 0,
+                                  "items": tuple(items)}
+
+
+def test_state_keeps_each_ranks_latest_telemetry_and_its_step_times():
+    state = DashboardState(history=3)
+    assert state.feed(JOBS_TOPIC, {"kind": "job", "run": "fit-0a1b2c3d", "name": "fit", "state": "RUNNING",
+                                   "attempt": 0, "time": 10.0, "ranks": [
+                                       {"rank": 0, "worker": "tcp://a:1", "host": "a", "device": "cpu"},
+                                       {"rank": 1, "worker": "tcp://b:2", "host": "b", "device": "cpu"}]})
+    for i in range(5):
+        state.feed(*batch("fit-0a1b2c3d", 1, telemetry(1, i, 0.1 * (i + 1), at=11.0 + i)))
+    state.feed(*batch("fit-0a1b2c3d", 0, {"kind": "metric", "rank": 0, "attempt": 0, "step": 7, "time": 20.0}))
+    job = state.snapshot()[0]
+    rows = rank_rows(job, now=21.0)
+    assert (job.name, job.state, rows["rank"], rows["worker"]) == ("fit", "RUNNING", [0, 1], ["tcp://a:1", "tcp://b:2"])
+    assert rows["step"] == [7, 4] and rows["step_time"] == [None, pytest.approx(0.5)]
+    assert rows["last_seen"] == [1.0, 6.0] and rows["input_wait"] == [None, 0.25]
+    assert [round(s, 3) for _, s in job.ranks[1].history] == [0.3, 0.4, 0.5]  # bounded: the latest 3
+
+
+def test_the_page_shows_gpu_telemetry_and_the_device_it_implies():
+    """No GPU here: the values a GPU rank sends (the agreed fields) are fed by hand."""
+    from dask_ddp.dashboard.page import rank_table
+
+    state = DashboardState()
+    state.feed(*batch("g-0a1b2c3d", 0, telemetry(0, 9, 0.25, gpu_util=87.0, gpu_mem_bytes=3 * 2**30,
+                                                 gpu_mem_peak_bytes=5 * 2**30)))
+    table = rank_table(state.jobs["g-0a1b2c3d"], now=time.time())
+    assert table["gpu"] == ["87 % 3.00 GiB (peak 5.00 GiB)"] and table["device"] == ["cuda"]
+    assert table["step_time"] == ["250.0 ms"] and table["samples_per_s"] == ["128.0"]
+
+
+def test_state_ignores_other_topics_malformed_messages_and_late_ones():
+    state = DashboardState()
+    assert not state.feed("all", {"action": "remove-worker"})
+    assert not state.feed("dask-ddp-x-0a1b2c3d", {"items": "not a list"})
+    assert not state.feed(JOBS_TOPIC, {"kind": "job", "run": 5})
+    assert not state.feed(JOBS_TOPIC, {"kind": "straggler", "run": "x", "rank": "one"})
+    state.feed(JOBS_TOPIC, {"kind": "job", "run": "x", "name": "x", "state": "FINISHED", "attempt": 0, "time": 5.0})
+    assert not state.feed(JOBS_TOPIC, {"kind": "job", "run": "x", "name": "x", "state": "RUNNING", "time": 4.0})
+    assert state.jobs["x"].state == "FINISHED"
+
+
+def test_a_restart_replaces_the_ranks_and_late_batches_of_the_old_attempt_are_dropped():
+    state = DashboardState()
+    state.feed(*batch("r-0a1b2c3d", 0, telemetry(0, 3, 0.2), telemetry(0, 4, 0.2)))
+    state.feed(JOBS_TOPIC, {"kind": "straggler", "run": "r-0a1b2c3d", "rank": 0, "worker": "w", "host": "h",
+                            "cause": "compute", "time": time.time(), "message": "rank 0 is slow"})
+    assert rank_rows(state.jobs["r-0a1b2c3d"])["straggler"] == ["compute"]
+    state.feed(*batch("r-0a1b2c3d", 1, telemetry(1, 0, 0.3, attempt=1), attempt=1))
+    assert not state.feed(*batch("r-0a1b2c3d", 0, telemetry(0, 5, 0.2)))
+    job = state.jobs["r-0a1b2c3d"]
+    assert (job.attempt, sorted(job.ranks), rank_rows(job)["straggler"]) == (1, [1], [None])
+
+
+def test_state_keeps_the_last_jobs_and_drops_ended_ones_first():
+    state = DashboardState(keep_jobs=2)
+    for i, st in enumerate(["RUNNING", "FINISHED", "RUNNING"]):
+        state.feed(JOBS_TOPIC, {"kind": "job", "run": f"j{i}", "name": "j", "state": st, "time": float(i)})
+    assert list(state.jobs) == ["j0", "j2"]
+
+
+def test_publish_never_raises_and_needs_a_running_client():
+    class Closed:
+        status = "closed"
+
+    class Broken:
+        status = "running"
+        loop = None  # add_callback on None raises
+
+    publish(None, {"kind": "job"})
+    publish(Closed(), {"kind": "job"})
+    publish(Broken(), {"kind": "job"})
+
+
+def test_the_controller_tells_the_scheduler_every_transition_with_its_attempt_and_ranks():
+    """Stepped against test_controller's fake cluster; its client only records what would go to the scheduler."""
+    from test_controller import Clock, FakeCluster, run_until_ended
+
+    from dask_ddp.controller import Controller
+    from dask_ddp.plan import make_plan, workers_from_scheduler_info
+    from dask_ddp.record import JobRecord
+    from dask_ddp.spec import LaunchSpec
+
+    class Loop:
+        sent: list = []
+
+        def add_callback(self, fn, client, msg):
+            self.sent.append(msg)
+
+    class Client:
+        status, loop = "running", Loop()
+
+    cluster = FakeCluster(2)
+    cluster.client = Client()
+    plan = make_plan(workers_from_scheduler_info({"workers": cluster.scheduler_workers}), None)
+    spec = LaunchSpec(call=b"", fn_name="train", run_id="job-1", first_plan=plan, workers=None, echo_logs=False,
+                      worker_timeout=None, max_restarts=1, backend="gloo")
+    ctl = Controller(spec, "job-1", cluster, JobRecord("job-1"), owner="JOB", clock=Clock())
+    ctl.start()
+    cluster.end(0, "died")
+    cluster.end(1, "aborted")
+    ctl.step(0)
+    cluster.end(0, "ok", value=1)
+    cluster.end(1, "ok", value=2)
+    run_until_ended(ctl)
+    sent = Loop.sent
+    assert [(m["state"], m["attempt"]) for m in sent] == [("PENDING", 0), ("RUNNING", 0), ("RESTARTING", 0),
+                                                          ("RUNNING", 1), ("FINISHED", 1)]
+    assert all(m["kind"] == "job" and m["run"] == "job-1" and m["name"] == "train" for m in sent)
+    assert sent[-1]["ranks"] == [{"rank": r.rank, "worker": r.address, "host": r.host, "device": "cpu"}
+                                 for r in plan.ranks]
+    state = DashboardState()
+    for m in sent:
+        state.feed(JOBS_TOPIC, m)
+    assert (state.jobs["job-1"].state, state.jobs["job-1"].attempt) == ("FINISHED", 1)
+
+
+# ---- a real scheduler ----------------------------------------------------------------------------------------
+def test_nothing_of_dask_ddp_is_on_a_scheduler_before_its_first_job():
+    with local_client(1) as client:
+        url = base_url(client)
+        assert NAME not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+        assert get(url + "/ddp")[0] == 404
+        assert "individual-ddp" not in get(url + "/individual-plots.json")[1]
+        assert "dask_ddp_" not in get(url + "/metrics")[1]
+        with dask.config.set({"ddp.dashboard.enabled": False}):  # the opt-out
+            assert run(client, one_step).result(timeout=120) == [0]
+        assert NAME not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+        assert run(client, one_step).result(timeout=120) == [0]
+        assert NAME in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+        assert get(url + "/ddp")[0] == 200
+        plots = json.loads(get(url + "/individual-plots.json")[1])
+        assert plots.get("Individual Ddp") == "/individual-ddp", plots
+        assert 'href="ddp"' in get(url + "/workers")[1]  # a tab in the top bar of Dask's own pages
+        run(client, one_step).result(timeout=120)  # a second job: installed once, one tab
+        assert get(url + "/workers")[1].count('href="ddp"') == 1
+
+
+def _pull(client, name: str) -> dict:
+    from bokeh.client import pull_session
+
+    with pull_session(url=base_url(client) + "/ddp") as session:
+        return dict(session.document.select_one({"name": name}).source.data)
+
+
+def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
+    stop = str(tmp_path / "stop")
+    job = run(client, train_until, stop, name="watched")
+    try:
+        got = wait_until(lambda: len(per_rank(scrape(client).get("dask_ddp_step_time_seconds", []), job.run_id)) == 2
+                         and scrape(client), timeout=180, what="both ranks' step times on /metrics")
+        assert per_rank(got["dask_ddp_step_time_seconds"], job.run_id) == pytest.approx(dict(enumerate(STEP_TIMES)))
+        assert per_rank(got["dask_ddp_input_wait_ratio"], job.run_id) == {0: 0.25, 1: 0.25}
+        assert per_rank(got["dask_ddp_rss_bytes"], job.run_id) == {0: 300 * 2**20, 1: 300 * 2**20}
+        assert min(per_rank(got["dask_ddp_step"], job.run_id).values()) >= 0
+        workers = {int(lb["rank"]): lb["worker"] for lb, _ in got["dask_ddp_rank_info"] if lb["job"] == job.run_id}
+        assert workers == dict(enumerate(job.plan.addresses))
+        assert [(lb["name"], lb["state"], lb["attempt"]) for lb, _ in got["dask_ddp_job_info"]
+                if lb["job"] == job.run_id] == [("watched", "RUNNING", "1")]
+        assert "dask_ddp_gpu_utilization_percent" not in got  # no GPU: no series rather than zeros
+
+        r = job.plan.ranks[1]
+        client.log_event(JOBS_TOPIC, {"kind": "straggler", "run": job.run_id, "rank": 1, "worker": r.address,
+                                      "host": r.host, "cause": "input", "time": time.time(),
+                                      "message": f"rank 1 on {r.address} is slow: its input"})
+        wait_until(lambda: per_rank([(lb, v) for lb, v in scrape(client)["dask_ddp_straggler"]
+                                     if lb["cause"] == "input"], job.run_id) == {1: 1.0}, timeout=60,
+                   what="the straggler on /metrics")
+
+        ranks = _pull(client, "ddp-ranks")
+        assert ranks["rank"] == ["0", "1"] and ranks["worker"] == job.plan.addresses
+        assert ranks["step_time"] == ["50.0 ms", "120.0 ms"] and ranks["straggler"] == ["", "yes (input)"]
+        assert ranks["memory"] == ["300.00 MiB"] * 2 and ranks["input_wait"] == ["25 %"] * 2
+        jobs = _pull(client, "ddp-jobs")
+        assert job.run_id in jobs["run"] and jobs["state"][jobs["run"].index(job.run_id)] == "RUNNING"
+    finally:
+        open(stop, "w").close()
+    job.result(timeout=120)
+    wait_until(lambda: job.run_id not in str(scrape(client).get("dask_ddp_step", [])), timeout=60,
+               what="an ended job's series to go")
+    states = client.run_on_scheduler(lambda dask_scheduler: {
+        run_id: j.state for run_id, j in dask_scheduler.plugins[NAME].state.jobs.items()})
+    assert states[job.run_id] == "FINISHED"
+
+
+# ---- in a browser --------------------------------------------------------------------------------------------
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+# every text of the page, shadow roots included (Bokeh 3 renders its widgets inside them)
+PAGE_TEXT = """
+function texts(root) {
+  let out = [];
+  for (const el of root.querySelectorAll('*')) {
+    if (el.shadowRoot) out = out.concat(texts(el.shadowRoot));
+    if (el.children.length === 0 && el.textContent) out.push(el.textContent.trim());
+  }
+  return out;
+}
+return texts(document).join('\\n');
+"""
+
+
+def _browser():
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("Chromium is not installed: apt-get install -y chromium chromium-driver (as .ci/run does)")
+    import tempfile
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="ddp-chromium-")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1500,1100", f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
+    return driver, profile
+
+
+def test_the_ddp_page_in_a_real_browser_lists_both_ranks_with_their_step_times(client, tmp_path):
+    driver, profile = _browser()
+    stop = str(tmp_path / "stop")
+    job = run(client, train_until, stop, name="browser")
+    try:
+        wait_until(lambda: len(per_rank(scrape(client).get("dask_ddp_step_time_seconds", []), job.run_id)) == 2,
+                   timeout=180, what="both ranks' telemetry at the scheduler")
+        driver.get(base_url(client) + "/status")
+        from selenium.webdriver.common.by import By
+
+        link = wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, 'a[href="ddp"]'), timeout=60,
+                          what="the DDP tab in the dashboard's top bar")[0]
+        link.click()
+        text = wait_until(lambda: (lambda t: job.run_id in t and "120.0 ms" in t and t)(
+            driver.execute_script(PAGE_TEXT)), timeout=90, what="the DDP page with both ranks' step times")
+        assert driver.current_url.endswith("/ddp")
+        for address, step_time in zip(job.plan.addresses, ("50.0 ms", "120.0 ms")):
+            assert address in text and step_time in text
+        time.sleep(3)  # a few more points on the step-time chart
+        os.makedirs(os.path.dirname(SCREENSHOT), exist_ok=True)
+        assert driver.save_screenshot(SCREENSHOT)
+        with open(SCREENSHOT, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    finally:
+        open(stop, "w").close()
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+    job.result(timeout=120)

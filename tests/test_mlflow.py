@@ -1,0 +1,83 @@
+"""MLflowSink against a real local MLflow tracking store (a folder), read back through MLflow's own client.
+
+Real parts: a 2-rank gloo job on the module's LocalCluster that fails once and restarts (max_restarts=1), the
+sink as its callback on the client, MLflow's file store in a temporary folder. Skipped only without MLflow
+(``pip install 'dask-ddp[mlflow]'``; the test extra brings it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from _cluster import run, wait_until
+
+import dask_ddp
+
+mlflow = pytest.importorskip("mlflow", reason="MLflow is not installed: pip install 'dask-ddp[mlflow]'")
+
+STEPS = 5
+
+
+def train(steps, lr):
+    """Report ``loss`` = 100 * attempt + 10 * rank + step; rank 1 raises at step 3 of the first attempt."""
+    ctx = dask_ddp.get_context()
+    for step in range(steps):
+        if ctx.restart_count == 0 and ctx.rank == 1 and step == 3:
+            raise RuntimeError("rank 1 fails once")
+        dask_ddp.report(loss=100 * ctx.restart_count + 10 * ctx.rank + step, lr=lr, step=step)
+    return ctx.rank
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    # MLflow 3 keeps its folder store in maintenance mode and asks for this to use it; SQLite needs the full
+    # mlflow (SQLAlchemy, alembic), which the test extra does not install
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (tmp_path / "mlruns").as_uri()
+
+
+def test_one_mlflow_run_per_job_with_its_params_once_and_every_metric_per_rank_and_step(client, store):
+    sink = dask_ddp.MLflowSink(store, experiment="ddp-test", params={"dataset": "digits"})
+    job = run(client, train, STEPS, lr=0.1, max_restarts=1, callbacks=[sink], name="mlflow-job")
+    assert job.result(timeout=300) == [0, 1]
+    assert [new for _, _, new, _ in job.history].count("RESTARTING") == 1
+
+    reader = mlflow.MlflowClient(tracking_uri=store)
+    experiment = reader.get_experiment_by_name("ddp-test")
+    runs = reader.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, "one MLflow run per job, restarts included"
+    found = runs[0]
+    assert found.info.status == "FINISHED" and found.info.run_name == "mlflow-job"
+    assert found.data.tags["dask_ddp.run_id"] == job.run_id and found.data.tags["dask_ddp.attempts"] == "2"
+    assert found.data.params == {"arg0": str(STEPS), "lr": "0.1", "world_size": "2", "backend": job.spec.backend,
+                                 "max_restarts": "1", "name": "mlflow-job", "dataset": "digits"}
+
+    rows = job.metrics
+    for rank in (0, 1):
+        history = reader.get_metric_history(found.info.run_id, f"loss/rank{rank}")
+        got = sorted((m.step, m.value, m.timestamp) for m in history)
+        mine = rows[rows["rank"] == rank]
+        want = sorted((int(s), float(v), int(1000 * t)) for s, v, t in zip(mine["step"], mine["loss"], mine["time"]))
+        assert got == want  # every report of the rank, at its step and time, from both attempts
+        assert {v for s, v, _ in got if v >= 100} == {100 + 10 * rank + s for s in range(STEPS)}  # attempt 2, whole
+    assert len(reader.get_metric_history(found.info.run_id, "lr/rank1")) == len(rows[rows["rank"] == 1])
+
+    assert sink.run_id is None  # ready for another job
+
+
+def test_a_cancelled_job_ends_its_mlflow_run_killed(client, store):
+    def slow():
+        for step in range(10_000):
+            dask_ddp.report(loss=float(step))
+            time.sleep(0.05)
+
+    sink = dask_ddp.MLflowSink(store, experiment="cancelled")
+    job = run(client, slow, callbacks=[sink])
+    wait_until(lambda: len(job.metrics) > 0, timeout=120, what="a first report")
+    job.cancel()
+    reader = mlflow.MlflowClient(tracking_uri=store)
+    (found,) = reader.search_runs([reader.get_experiment_by_name("cancelled").experiment_id])
+    assert found.info.status == "KILLED"
+    assert len(reader.get_metric_history(found.info.run_id, "loss/rank0")) == len(
+        job.metrics[job.metrics["rank"] == 0])
