@@ -34,7 +34,7 @@ from .outcome import RankOutcome, Status
 from .progress import Progress
 from .record import JobRecord, format_log
 from .spec import LaunchSpec
-from .stragglers import StragglerWatch, publish
+from .stragglers import StragglerWatch
 from .task import RankTask, rank_tasks
 
 __all__ = ["Controller", "Attempt", "Callbacks"]
@@ -180,7 +180,7 @@ class Controller:
         event = {"kind": "straggler", "run": self.run_id, "rank": found.rank, "worker": r.address, "host": r.host,
                  "cause": found.cause, "time": time.time(), "message": message}
         self.callbacks("on_straggler", self.owner, event)
-        publish(self.cluster, event)
+        dashboard_jobs.publish(getattr(self.cluster, "client", None), event)
 
     # ---- running -------------------------------------------------------------------------------------------
     def _launch(self, index: int, plan: planning.RankPlan) -> None:

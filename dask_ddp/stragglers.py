@@ -13,14 +13,10 @@ callbacks, the ``dask-ddp-jobs`` event).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-__all__ = ["Straggler", "find_straggler", "StragglerWatch", "publish", "JOBS_TOPIC"]
+__all__ = ["Straggler", "find_straggler", "StragglerWatch"]
 
-logger = logging.getLogger("dask_ddp")
-
-JOBS_TOPIC = "dask-ddp-jobs"  # the job-level topic the scheduler side reads (issue 16's contract)
 MIN_GAP = 0.2  # the others wait at least this share of a step more than the straggler
 STALE = 10.0  # seconds: telemetry older than this (beside the newest) is not compared
 
@@ -103,14 +99,3 @@ class StragglerWatch:
             return None
         self.named.add(found.rank)
         return found
-
-
-def publish(cluster, msg: dict) -> None:
-    """``client.log_event("dask-ddp-jobs", msg)`` for the scheduler's page; never raises into the job."""
-    client = getattr(cluster, "client", None)
-    if client is None:
-        return
-    try:
-        client.log_event(JOBS_TOPIC, msg)
-    except Exception as exc:  # noqa: BLE001 - a closed client or a lost scheduler must not break the job
-        logger.debug("dask-ddp could not publish %s on %s: %r", msg.get("kind"), JOBS_TOPIC, exc)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import urllib.error
@@ -24,12 +25,13 @@ from _cluster import local_client, run, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import dask_ddp
-from dask_ddp.dashboard import JOBS_TOPIC, job_message, publish
+from dask_ddp.dashboard import JOBS_TOPIC, publish
 from dask_ddp.dashboard.plugin import NAME
 from dask_ddp.dashboard.state import DashboardState, rank_rows
 
-STEP_TIMES = (0.05, 0.12)  # what each rank says its steps take: rank 1 is the slow one
-SCREENSHOT = os.path.join(os.path.dirname(__file__), "..", "docs", "img", "ddp-dashboard.png")
+STEP_TIMES = (0.05, 0.12)  # hand-fed telemetry: what each rank says its steps take
+COMPUTE = (0.01, 0.08)  # a real job: each rank's compute per step (sleep); rank 1 is the straggler, DDP's lockstep
+# gives both ranks a step of at least 0.08 s, and rank 0 waits for rank 1 in the all-reduce
 
 
 def telemetry(rank: int, step: int, step_time: float, attempt: int = 0, at: float | None = None, **kw) -> dict:
@@ -42,19 +44,19 @@ def telemetry(rank: int, step: int, step_time: float, attempt: int = 0, at: floa
 
 
 def train_until(stop_file: str, max_steps: int = 100_000):
-    """Report every step; send a telemetry item every 0.5 s; stop when ``stop_file`` exists."""
-    from dask_ddp import reporting
+    """DDP steps on every rank, rank 1's compute slower (sleeps): real telemetry, no code of the test's in it.
+    Stops when ``stop_file`` exists."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     ctx = dask_ddp.get_context()
-    last = 0.0
+    model = DDP(torch.nn.Linear(8, 1))
     for step in range(max_steps):
-        time.sleep(0.02)
+        time.sleep(COMPUTE[ctx.rank])
+        model(torch.randn(4, 8)).sum().backward()
         dask_ddp.report(loss=1.0 / (step + 1))
-        if time.time() - last > 0.5:
-            reporting._BUFFER.add(telemetry(ctx.rank, step, STEP_TIMES[ctx.rank], ctx.restart_count))
-            last = time.time()
-            if os.path.exists(stop_file):
-                return step
+        if step % 10 == 0 and os.path.exists(stop_file):
+            return step
     return max_steps
 
 
@@ -241,15 +243,22 @@ def _pull(client, name: str) -> dict:
         return dict(session.document.select_one({"name": name}).source.data)
 
 
+def _step_ms(text: str) -> float:
+    return float(text.removesuffix(" ms"))
+
+
 def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
+    """A real 2-rank job's own telemetry (nothing fed by hand) reaches /metrics and the page, and the straggler the
+    controller names (rank 1, its compute; the window shortened to 3 s) is flagged on both."""
     stop = str(tmp_path / "stop")
-    job = run(client, train_until, stop, name="watched")
+    with dask.config.set({"ddp.telemetry.straggler-window": 3}):
+        job = run(client, train_until, stop, name="watched")
     try:
         got = wait_until(lambda: len(per_rank(scrape(client).get("dask_ddp_step_time_seconds", []), job.run_id)) == 2
                          and scrape(client), timeout=180, what="both ranks' step times on /metrics")
-        assert per_rank(got["dask_ddp_step_time_seconds"], job.run_id) == pytest.approx(dict(enumerate(STEP_TIMES)))
-        assert per_rank(got["dask_ddp_input_wait_ratio"], job.run_id) == {0: 0.25, 1: 0.25}
-        assert per_rank(got["dask_ddp_rss_bytes"], job.run_id) == {0: 300 * 2**20, 1: 300 * 2**20}
+        step_times = per_rank(got["dask_ddp_step_time_seconds"], job.run_id)
+        assert all(0.07 < t < 2.0 for t in step_times.values()), step_times  # lockstep: the slow rank's pace
+        assert all(v > 50 * 2**20 for v in per_rank(got["dask_ddp_rss_bytes"], job.run_id).values())
         assert min(per_rank(got["dask_ddp_step"], job.run_id).values()) >= 0
         workers = {int(lb["rank"]): lb["worker"] for lb, _ in got["dask_ddp_rank_info"] if lb["job"] == job.run_id}
         assert workers == dict(enumerate(job.plan.addresses))
@@ -257,20 +266,17 @@ def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
                 if lb["job"] == job.run_id] == [("watched", "RUNNING", "1")]
         assert "dask_ddp_gpu_utilization_percent" not in got  # no GPU: no series rather than zeros
 
-        r = job.plan.ranks[1]
-        client.log_event(JOBS_TOPIC, {"kind": "straggler", "run": job.run_id, "rank": 1, "worker": r.address,
-                                      "host": r.host, "cause": "input", "time": time.time(),
-                                      "message": f"rank 1 on {r.address} is slow: its input"})
-        wait_until(lambda: per_rank([(lb, v) for lb, v in scrape(client)["dask_ddp_straggler"]
-                                     if lb["cause"] == "input"], job.run_id) == {1: 1.0}, timeout=60,
-                   what="the straggler on /metrics")
-
+        wait_until(lambda: per_rank([(lb, v) for lb, v in scrape(client).get("dask_ddp_straggler", [])
+                                     if lb["cause"] == "compute"], job.run_id) == {1: 1.0}, timeout=120,
+                   what="the controller's straggler (rank 1, compute) on /metrics")
         ranks = _pull(client, "ddp-ranks")
         assert ranks["rank"] == ["0", "1"] and ranks["worker"] == job.plan.addresses
-        assert ranks["step_time"] == ["50.0 ms", "120.0 ms"] and ranks["straggler"] == ["", "yes (input)"]
-        assert ranks["memory"] == ["300.00 MiB"] * 2 and ranks["input_wait"] == ["25 %"] * 2
+        assert all(70 < _step_ms(t) < 2000 for t in ranks["step_time"]), ranks["step_time"]
+        assert ranks["straggler"] == ["", "yes (compute)"], ranks["straggler"]
+        assert all(m.endswith("MiB") for m in ranks["memory"]), ranks["memory"]
         jobs = _pull(client, "ddp-jobs")
         assert job.run_id in jobs["run"] and jobs["state"][jobs["run"].index(job.run_id)] == "RUNNING"
+        assert any("straggler: rank 1" in h[3] for h in job.history), job.history
     finally:
         open(stop, "w").close()
     job.result(timeout=120)
@@ -328,15 +334,16 @@ def test_the_ddp_page_in_a_real_browser_lists_both_ranks_with_their_step_times(c
         link = wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, 'a[href="ddp"]'), timeout=60,
                           what="the DDP tab in the dashboard's top bar")[0]
         link.click()
-        text = wait_until(lambda: (lambda t: job.run_id in t and "120.0 ms" in t and t)(
+        text = wait_until(lambda: (lambda t: job.run_id in t and len(re.findall(r"\d+\.\d ms", t)) >= 2 and t)(
             driver.execute_script(PAGE_TEXT)), timeout=90, what="the DDP page with both ranks' step times")
         assert driver.current_url.endswith("/ddp")
-        for address, step_time in zip(job.plan.addresses, ("50.0 ms", "120.0 ms")):
-            assert address in text and step_time in text
+        for address in job.plan.addresses:
+            assert address in text, (address, text[-2000:])
+        assert len(re.findall(r"\d+\.\d ms", text)) >= 2, text[-2000:]
         time.sleep(3)  # a few more points on the step-time chart
-        os.makedirs(os.path.dirname(SCREENSHOT), exist_ok=True)
-        assert driver.save_screenshot(SCREENSHOT)
-        with open(SCREENSHOT, "rb") as f:
+        shot = os.environ.get("DDP_SCREENSHOT") or str(tmp_path / "ddp-dashboard.png")  # the README's: set it to
+        assert driver.save_screenshot(shot)  # docs/img/ddp-dashboard.png (a run in CI leaves the tree as it was)
+        with open(shot, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     finally:
         open(stop, "w").close()
