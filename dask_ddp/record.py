@@ -61,7 +61,11 @@ class JobRecord:
         with self.cond:
             telemetry = [it for it in items if it.get("kind") == "telemetry"]
             if telemetry:  # a rank's latest only; its history is the scheduler's page's and the sinks' business
-                self.telemetry.update((it["rank"], it) for it in telemetry)
+                for it in telemetry:  # a window with no step has no step time: the last one known stays
+                    prev = self.telemetry.get(it["rank"])
+                    if prev is not None and prev.get("attempt") == it.get("attempt"):
+                        it = {**prev, **{k: v for k, v in it.items() if v is not None}}
+                    self.telemetry[it["rank"]] = it
                 items = [it for it in items if it.get("kind") != "telemetry"]
             for item in items:
                 self.events.append(item)

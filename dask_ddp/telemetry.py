@@ -155,6 +155,7 @@ class Sampler:
         self._report_time = None  # time.time() of the last report
         self._report_mark = None  # perf_counter() when the last report was observed
         self._nvml = None
+        self._start = time.perf_counter()  # the boundary before the first step, for a job shorter than a window
 
     def due(self, now: float) -> bool:
         return now - self._last_sample >= self.interval * 0.9  # slack: the flusher ticks every 0.1 s
@@ -174,18 +175,21 @@ class Sampler:
         if force or self.due(now):
             self._last_sample = now
             try:
-                items.append(self.sample())
+                items.append(self.sample(final=force))
             except Exception:  # noqa: BLE001 - telemetry must never break the rank's reports
                 pass
         return items
 
-    def sample(self) -> dict:
-        """The telemetry item of the window since the previous sample (the contract's fields)."""
+    def sample(self, final: bool = False) -> dict:
+        """The telemetry item of the window since the previous sample (the contract's fields).
+
+        ``final``: the rank's last sample; a job that ended within its first window then gets the mean of its
+        steps since the sampler started (its start included) rather than no step time at all."""
         from . import collectives
 
         collectives.settle(self.c)  # CUDA events of finished all-reduces become wait time
         c, p = self.c, self._prev
-        steps, span = self._steps(c, p)
+        steps, span = self._steps(c, p, final)
         item = {"kind": "telemetry", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
                 "step": self._step if self._step is not None else (c.ddp_steps or c.batches or None),
                 "steps": steps, "step_time": span / steps if steps and span > 0 else None,
@@ -199,14 +203,17 @@ class Sampler:
             p.input_wait, p.coll_wait, p.samples = c.input_wait, c.coll_wait, c.samples
         return item
 
-    def _steps(self, c: Counters, p: _Window) -> tuple[int, float]:
+    def _steps(self, c: Counters, p: _Window, final: bool = False) -> tuple[int, float]:
         """Steps since the previous window's last boundary and the time they took: DDP syncs first, then
-        reports, then batches. The first steps ever seen have no earlier boundary: their time is 0 (unknown)."""
+        reports, then batches. The first steps ever seen have no earlier boundary: their time is 0 (unknown),
+        but in the ``final`` sample, where the sampler's start stands in for it."""
         found = None
         for name, count, mark in (("ddp", c.ddp_steps, c.last_ddp_step),
                                   ("report", self._report_steps, self._report_mark),
                                   ("batch", c.batches, c.last_batch)):
             before, prev_mark = p.marks.get(name, (0, None))
+            if prev_mark is None and final:
+                prev_mark = self._start
             p.marks[name] = (count, mark)
             if found is None and count > before and mark is not None:
                 found = (count - before, 0.0 if prev_mark is None else mark - prev_mark)

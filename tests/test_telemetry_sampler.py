@@ -44,6 +44,18 @@ def test_ddp_windows():
     assert s.sample()["input_wait"] == pytest.approx(0.95)  # both parts of the long step, over its 1 s
 
 
+def test_a_job_shorter_than_a_window_still_gets_a_step_time():
+    """The rank's last sample (at its end) times its first steps from the sampler's start: a 150-step job that
+    ended within a second showed no step time at all in the notebook's table."""
+    c = Counters()
+    c.ddp_timed = True
+    s = Sampler(rank=0, attempt=0, counters=c)
+    steps(c, 150, at=s._start + 0.3, wait=0.1)
+    final = s.observe([], force=True)[-1]
+    assert final["steps"] == 150 and final["step_time"] == pytest.approx(0.002)
+    assert final["collective_wait"] == pytest.approx(1 / 3)
+
+
 def test_reports_delimit_steps_without_ddp():
     c = Counters()
     s = Sampler(rank=0, attempt=0, counters=c)
