@@ -87,7 +87,12 @@ def test_torchrun_script_under_torchrun_and_under_dask_ddp(client):
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
     args = ["--standalone", "--nproc-per-node", "2", str(EXAMPLES / "torchrun_script.py"), "--steps", "15"]
-    real = subprocess.run([str(torchrun), *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    # torchrun itself (the peer, not dask-ddp) sometimes aborts a rank at exit on torch 2.14 with gloo ("terminate
+    # called without an active exception", SIGABRT; seen once in CI): it gets three tries to give the reference
+    for _ in range(3):
+        real = subprocess.run([str(torchrun), *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+        if real.returncode == 0:
+            break
     assert real.returncode == 0, real.stderr
     address = client.scheduler.address
     ours = run_cli("run", "--scheduler", address, EXAMPLES / "torchrun_script.py", "--steps", "15")
