@@ -25,6 +25,7 @@ from .errors import (
     StallError,
     WorkerLostError,
 )
+from .preemption import Preempted, on_preemption, preempted
 from .reporting import report
 from .sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
 from .telemetry import timed
@@ -53,4 +54,5 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink",
+    "Preempted", "preempted", "on_preemption",
 ]

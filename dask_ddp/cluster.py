@@ -33,13 +33,14 @@ class DaskCluster:
         self.client = client
         self.feed = TopicFeed(client, topic)
         self._removed: list[str] = []
+        self._leaving: list[str] = []  # retired by the scheduler: their ranks may be saving for a preemption
         self._lock = threading.Lock()
         self._watch = WorkerWatch.of(client)
         self._token = self._watch.add(self._on_removed)
 
-    def _on_removed(self, address: str) -> None:  # on the client's event loop: only record it
+    def _on_removed(self, address: str, expected: bool = False) -> None:  # on the client's event loop: only record
         with self._lock:
-            self._removed.append(address)
+            (self._leaving if expected else self._removed).append(address)
 
     # ---- rank tasks ----------------------------------------------------------------------------------------
     def submit(self, tasks: list[RankTask]) -> list:
@@ -89,6 +90,21 @@ class DaskCluster:
         with self._lock:
             out, self._removed = self._removed, []
         return out
+
+    def leaving(self) -> list[str]:
+        """Addresses of workers the scheduler retired (gracefully removed) since the last call."""
+        with self._lock:
+            out, self._leaving = self._leaving, []
+        return out
+
+    def notify(self, task: RankTask, addresses: list[str], cause: str, grace: float) -> None:
+        """Ask every rank of ``task``'s attempt to save at an agreed step and stop (the job grows)."""
+        from .leaving import notify
+
+        try:
+            notify(self.client, task.attempt_id, addresses, cause, grace)
+        except Exception:  # noqa: BLE001 - a worker left meanwhile: the job goes on, growth is tried again
+            logger.warning("dask-ddp could not ask the ranks of %s to grow", task.attempt_id, exc_info=True)
 
     def stacks(self, attempt_id: str, addresses: list[str]) -> dict[int, str]:
         """Every rank's Python stack dump, by rank (``-1``: why none could be had)."""

@@ -23,9 +23,10 @@ import time
 from typing import Any, Callable
 
 import cloudpickle
+import dask
 
+from . import elastic, policy
 from . import plan as planning
-from . import policy
 from .dashboard import jobs as dashboard_jobs
 from .errors import DaskDDPError, JobCancelledError, StallError
 from .events import EventOrder
@@ -74,6 +75,8 @@ class Attempt:
         self.index, self.plan, self.tasks, self.futures = index, plan, tasks, futures
         self.outcomes: dict[int, RankOutcome] = {}
         self.lost: dict[str, float] = {}  # worker address -> time it was found gone
+        self.leaving: dict[str, float] = {}  # worker address -> clock() it was retired: its ranks may be saving
+        self.grow_asked = False
         self.stalled: StallError | None = None
 
     def ended(self) -> bool:
@@ -103,6 +106,12 @@ class Controller:
         self._decision: policy.Decision | None = None  # the decision a restart acts on
         self.last_report: dict[int, float] = {}  # rank -> clock() of its latest report: the stall clock
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
+        self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
+        self.departed: set[str] = set()  # workers that left gracefully: never planned on again
+        self.grace = float(dask.config.get("ddp.preemption.grace-period", 25))
+        bounds = planning.elastic_bounds(spec.workers)
+        self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
+        self._next_grow = 0.0
 
     # ---- driving -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +140,8 @@ class Controller:
         self._deliver(self.cluster.events(wait))
         if self.phase == "running":
             self._check_ranks()
+        if self.phase == "running" and self._grow:
+            self._check_growth()
         if self.phase == "draining":
             self._check_drained()
         if self.phase == "waiting":
@@ -203,16 +214,21 @@ class Controller:
         for address in self.cluster.removed():
             if address in att.plan.addresses:
                 att.lost.setdefault(address, time.time())
+        for address in self.cluster.leaving():
+            self.departed.add(address)
+            if address in att.plan.addresses:
+                att.leaving.setdefault(address, self.clock())
         now = self.clock()
         if self.silence.due(now):
-            live = [a for a in att.plan.addresses if a not in att.lost]
+            live = [a for a in att.plan.addresses if a not in att.lost and a not in att.leaving]
             for address in self.silence.check(self.cluster.workers(), live, now):
                 att.lost[address] = time.time()
         for r, task, fut in zip(att.plan.ranks, att.tasks, att.futures):
             if r.rank in att.outcomes:
                 continue
-            if r.address in att.lost:
-                outcome = policy.lost_outcome(r, att.lost[r.address], self.silence.silent.get(r.address))
+            if r.address in att.lost or self._left_for_good(att, r.address):
+                outcome = policy.lost_outcome(r, att.lost.get(r.address, time.time()),
+                                              self.silence.silent.get(r.address))
                 self.cluster.cancel(fut)  # pinned to a dead worker, it would wait forever
             else:
                 outcome = self.cluster.outcome(fut, task)
@@ -224,6 +240,30 @@ class Controller:
         self._check_stall(att)
         if att.ended():
             self.phase, self._deadline, self._backfilled = "draining", self.clock() + DRAIN_WAIT, False
+
+    def _left_for_good(self, att: Attempt, address: str) -> bool:
+        """A retired worker's rank is lost once every other rank has ended (saved, or failed) or the grace
+        period has passed: until then it may be saving, and the others must not be stopped."""
+        if address not in att.leaving:
+            return False
+        others = [r.rank for r in att.plan.ranks if r.address not in att.leaving]
+        return bool(others) and all(rk in att.outcomes for rk in others) or \
+            self.clock() > att.leaving[address] + self.grace + 5
+
+    def _check_growth(self) -> None:
+        """An elastic job below its maximum saves and restarts on more workers once idle ones have joined."""
+        att, now = self.attempt, self.clock()
+        if att.grow_asked or now < self._next_grow or not self.last_report:
+            return
+        self._next_grow = now + 1.0
+        idle = [a for a, info in self.cluster.workers().items() if a not in att.plan.addresses
+                and a not in self.silence.silent and a not in self.departed and info.get("status", "running") == "running"]
+        more = elastic.grow_by(self._grow, att.plan.world_size, len(idle))
+        if more:
+            att.grow_asked = True
+            self.cluster.notify(att.tasks[0], list(att.plan.addresses), f"{len(idle)} worker(s) joined "
+                                f"({', '.join(sorted(idle))}): the job grows to {att.plan.world_size + more} ranks",
+                                self.grace)
 
     def _check_stall(self, att: Attempt) -> None:
         limit = self.spec.stall_timeout
@@ -262,8 +302,11 @@ class Controller:
         if att.stalled is not None:
             outcomes.append(RankOutcome(att.stalled.rank, att.stalled.worker, Status.STALLED, time=0.0,
                                         error=cloudpickle.dumps(att.stalled)))
-        decision = policy.decide(outcomes, cancelled=self.cancel_requested, attempt=att.index,
+        decision = policy.decide(outcomes, cancelled=self.cancel_requested, attempt=att.index - self.preemptions,
                                  max_restarts=self.spec.max_restarts)
+        pre = elastic.preemption(outcomes)
+        if pre is not None and decision.action != "finish" and not self.cancel_requested:
+            decision = self._after_preemption(pre)
         self.cluster.release(att.futures)
         self.cluster.cleanup(att.tasks[0])
         if decision.action == "finish":
@@ -275,6 +318,15 @@ class Controller:
             self._begin_restart(att, decision)
         else:
             self._end("FAILED", policy.root_error(decision, att.outcomes.values(), self.run_id), decision.reason)
+
+    def _after_preemption(self, pre: elastic.Preemption) -> policy.Decision:
+        """Restart after a preemption or growth (not counted against max_restarts), saying what was saved."""
+        self.preemptions += 1
+        if pre.get("worker"):
+            self.departed.add(pre["worker"])
+        fallback = None if pre.saved else elastic.last_checkpoint_step(self.spec.checkpoint_dir, self.run_id,
+                                                                        self.spec.checkpoint_options)
+        return policy.Decision("restart", elastic.reason(pre, self.record.top_step, fallback, self.grace))
 
     def _begin_restart(self, att: Attempt, decision: policy.Decision) -> None:
         self._transition("RESTARTING", decision.reason)
@@ -288,8 +340,8 @@ class Controller:
         if self.cancel_requested:
             return self._cancelled("cancelled while waiting for workers to restart on")
         need, selection = self._restart_need
-        workers = [w for w in planning.workers_from_scheduler_info({"workers": self.cluster.workers()})
-                   if w.address not in self.silence.silent]
+        workers = [w for w in planning.workers_from_scheduler_info({"workers": self._usable_workers()})
+                   if w.address not in self.silence.silent and w.address not in self.departed]
         if len(workers) < need and self.clock() < self._deadline:
             return
         att = self.attempt
@@ -315,6 +367,9 @@ class Controller:
         msg = dashboard_jobs.job_message(self.run_id, self.spec.name or self.spec.fn_name, state,
                                          self.attempt.index if self.attempt else 0, plan, self.spec.backend)
         dashboard_jobs.publish(getattr(self.cluster, "client", None), msg)
+    def _usable_workers(self) -> dict[str, dict]:
+        """The scheduler's workers that are running (not retiring or closing)."""
+        return {a: info for a, info in self.cluster.workers().items() if info.get("status", "running") == "running"}
 
     # ---- acting --------------------------------------------------------------------------------------------
     def _abort(self, cause: str) -> None:

@@ -290,14 +290,15 @@ class WorkerWatch:
     def _on_event(self, event):
         msg = event[1]
         if isinstance(msg, dict) and msg.get("action") == "remove-worker":
-            for callback in list(self._callbacks.values()):
-                callback(msg.get("worker", ""))
+            for callback in list(self._callbacks.values()):  # expected: retired (retire_workers, scale-down)
+                callback(msg.get("worker", ""), bool(msg.get("expected")))
         if self._previous is not None:
             return self._previous(event)  # the client awaits it if it is a coroutine
         return None
 
-    def add(self, callback: Callable[[str], None]) -> int:
-        """Call ``callback(address)`` when a worker leaves; subscribes while any job listens."""
+    def add(self, callback: Callable[[str, bool], None]) -> int:
+        """Call ``callback(address, expected)`` when a worker leaves (``expected``: the scheduler retired it);
+        subscribes while any job listens."""
         with self._lock:
             if not self._callbacks:
                 # Dask keeps one handler per topic and client: chain to the user's own, if any

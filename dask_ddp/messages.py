@@ -12,6 +12,10 @@ of a socket pair (``multiprocessing.connection.Connection``, pickled)::
     Failed     the function raised (pickled exception)
     Stacks     the stack dump asked for
     Flushed    every event held went out before this
+    NoticeSeen a preemption notice     Notice         this job must save and stop: a worker leaves
+               reached this rank                      (or the job grows) by ``deadline``
+    Saved      stopped at the agreed
+               step for a preemption
 
 A rank process runs one job and exits; closing the socket kills it (and its
 DataLoader workers), so a dead supervisor never leaves a rank behind.
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from .task import RankTask
 
 __all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "StacksRequest",
-           "FlushRequest", "Flushed"]
+           "FlushRequest", "Flushed", "Notice", "NoticeSeen", "Saved"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,31 @@ class FlushRequest:
 @dataclass(frozen=True)
 class Flushed:
     """Every event held when the :class:`FlushRequest` came has been sent before this message."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Save and stop by ``deadline`` (``time.time()``): a worker of the job leaves, or the job grows.
+
+    ``worker`` is the address of the worker that leaves ("" when the job grows)."""
+
+    deadline: float
+    cause: str
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class NoticeSeen:
+    """The rank learned of a preemption notice (from its supervisor, a peer, or a SIGTERM of its own)."""
+
+    deadline: float
+    cause: str
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The rank stopped at the step every rank agreed on (``saved``: its state was saved there) and every
+    rank passed the commit barrier; see :mod:`dask_ddp.preemption`."""
+
+    info: dict

@@ -23,6 +23,7 @@ class Status(str, enum.Enum):
     ABORTED = "aborted"    # stopped because another rank failed or the job was cancelled
     LOST = "lost"          # its Dask worker left the cluster or went silent (set by the client)
     STALLED = "stalled"    # no report within stall_timeout (set by the client)
+    PREEMPTED = "preempted"  # stopped at the step the ranks agreed on for a preemption; ``preempt`` says more
 
     def __str__(self) -> str:
         return self.value
@@ -42,6 +43,9 @@ class RankOutcome:
     last_seq : the sequence number of the last event batch the rank published (-1: none).
     started : when the supervisor started (``time.time()``).
     secondary : the error is a broken collective seen by a survivor, a consequence of another rank's failure.
+    preempt : set when a preemption notice had reached the rank (see :mod:`dask_ddp.preemption`): the
+        notice's ``cause``, ``worker`` and ``deadline``; with PREEMPTED also ``step``, ``saved``, ``committed``,
+        ``heard`` (when the notice came), ``save_took`` and ``commit_time``.
     """
 
     rank: int
@@ -54,6 +58,7 @@ class RankOutcome:
     last_seq: int = -1
     started: float = 0.0
     secondary: bool = False
+    preempt: dict | None = None
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -61,4 +66,4 @@ class RankOutcome:
     @property
     def failed(self) -> bool:
         """True for a failure of its own (not OK, not ABORTED by another's failure)."""
-        return self.status not in (Status.OK, Status.ABORTED)
+        return self.status not in (Status.OK, Status.ABORTED, Status.PREEMPTED)

@@ -177,10 +177,15 @@ class RankHost(WorkerPlugin):
         self._lock = threading.Lock()
         sweep_tmp_roots()  # what a killed worker's ranks left in the temp folder
 
-    def teardown(self, worker) -> None:
-        """Stop the zygote or spare; when the worker is closing, stop every running rank too (nothing outlives it)."""
+    async def teardown(self, worker) -> None:
+        """Stop the zygote or spare; when the worker is closing, let its ranks save for a preemption (up to
+        ``ddp.preemption.grace-period``, see :mod:`dask_ddp.leaving`), then stop them (nothing outlives it)."""
         self.launcher.close()
         if getattr(worker, "status", None) in _CLOSING:
+            from .leaving import drain
+
+            await drain(self, f"worker {getattr(worker, 'address', '?')} is closing (retire_workers, a scale-down "
+                              "or close)")
             for sup in self.running():
                 sup.stop("its Dask worker is closing")
             shutil.rmtree(worker_tmp_root(), ignore_errors=True)  # its ranks' TMPDIRs, whatever is left
@@ -217,7 +222,10 @@ def register(client) -> None:
 
     One round trip to the scheduler, a no-op when any client registered it before.
     """
+    from .leaving import register as leave_gracefully
+
     client.register_plugin(RankHost(), name=NAME)
+    leave_gracefully(client)  # on every Nanny: SIGTERM gives the ranks the grace period to save
 
 
 def rank_process_pids(dask_worker) -> dict:

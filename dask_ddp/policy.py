@@ -32,7 +32,7 @@ __all__ = ["Decision", "decide", "root_cause", "root_error", "restart_request", 
 _PRIORITY = {Status.LOST: 0, Status.STALLED: 0, Status.DIED: 1, Status.ERROR: 2}
 _WHAT = {Status.LOST: "lost its worker", Status.STALLED: "stalled", Status.DIED: "died", Status.ERROR: "raised"}
 _FATE = {Status.OK: "finished", Status.ABORTED: "was stopped", Status.ERROR: "raised", Status.DIED: "died",
-         Status.LOST: "lost its worker", Status.STALLED: "stalled"}
+         Status.LOST: "lost its worker", Status.STALLED: "stalled", Status.PREEMPTED: "stopped for a preemption"}
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,10 @@ from multiprocessing.connection import Connection
 import cloudpickle
 from tblib import pickling_support
 
-from . import context, devices, network, reporting, telemetry
+from . import context, devices, network, preemption, reporting, telemetry
 from .errors import RankFailedError, RendezvousError
-from .messages import Events, Failed, Flushed, FlushRequest, Port, Ready, Result, Stacks, StacksRequest, Start
+from .messages import (Events, Failed, Flushed, FlushRequest, Notice, Port, Ready, Result, Saved, Stacks,
+                       StacksRequest, Start)
 from .task import RankTask
 
 # Text of gloo's and NCCL's plain RuntimeErrors for a broken connection: the last resort of
@@ -93,6 +94,8 @@ class _Channel:
                         if self.flusher is not None:  # its lock orders the batch before the answer
                             self.flusher.flush()
                         self.send(Flushed())
+                    elif isinstance(msg, Notice):  # a worker of the job leaves: tell every rank
+                        preemption.announce(msg.deadline, msg.cause, msg.worker)
             except (EOFError, OSError):
                 _die()
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()
@@ -141,6 +144,8 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)  # nccl: collectives on it
         _join(store, world_size)
+        preemption.start(store, task.master_addr, int(os.environ["MASTER_PORT"]), rank, world_size, chan.send,
+                         _grace_period(), worker)
         context._set_context(context.Context(
             rank=rank, local_rank=spec.local_rank, world_size=world_size,
             local_world_size=spec.local_world_size, node_rank=spec.node_rank, num_nodes=spec.num_nodes,
@@ -152,6 +157,8 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         blob = cloudpickle.dumps(value)
         _finish(store, rank, world_size)
         message = Result(blob)
+    except preemption.Preempted as exc:  # stopped at the agreed step: wait until the save is committed
+        message = Saved(preemption.stopped(exc))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
         # a broken collective on a survivor is a consequence, not a root cause
         message = Failed(_serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
@@ -161,6 +168,13 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     chan.send(message)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _grace_period() -> float:
+    """``ddp.preemption.grace-period``: how long a rank process that receives SIGTERM gives the job to save."""
+    import dask
+
+    return float(dask.config.get("ddp.preemption.grace-period", 25))
 
 
 def _open_store(chan: _Channel, task: RankTask, master_port: int | None):

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from . import preemption as _preemption
 from .context import get_context
 from .errors import NotInRankError
 
@@ -132,7 +133,9 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     buffer (a few microseconds); a background thread ships it within 0.1 s,
     or, while the rank reports often, as one batch every
     ``ddp.events.flush-interval`` (1 s). Every report reaches
-    ``job.metrics``, in order.
+    ``job.metrics``, in order. It is the step boundary of preemption: when a
+    worker of the job is leaving, every rank stops at one agreed report (see
+    :func:`dask_ddp.on_preemption`).
 
     Raises
     ------
@@ -143,6 +146,9 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     ValueError
         When a key is one of the reserved names (``rank``, ``step``, ``time``, ...), or an integer lies
         outside [-2**63, 2**64 - 1], what the wire to the client can carry (names the key).
+    Preempted
+        At the step every rank agreed to stop at for a preemption, after saving what
+        :func:`dask_ddp.on_preemption` registered (a ``BaseException``: the job restarts from there).
     """
     buf = _BUFFER
     if buf is None:
@@ -173,8 +179,11 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
         _in_range("step", int(step))
-    buf.items.append({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt,
-                      "step": buf.next_step(None if step is None else int(step)), "time": time.time(), **values})
+    step = buf.next_step(None if step is None else int(step))
+    buf.items.append({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
+                      **values})
+    if _preemption._PENDING is not None:  # a worker of the job leaves: agree on a step, save, stop there
+        _preemption.at_report(step)
 
 
 def _forget_buffer() -> None:

@@ -27,7 +27,8 @@ from distributed import Event, Variable, get_worker
 
 from .errors import RankFailedError, RendezvousError
 from .events import Relay, _drop_topic
-from .messages import Events, Failed, Flushed, FlushRequest, Port, Ready, Result, Stacks, StacksRequest, Start
+from .messages import (Events, Failed, Flushed, FlushRequest, Notice, NoticeSeen, Port, Ready, Result, Saved, Stacks,
+                       StacksRequest, Start)
 from .outcome import RankOutcome, Status
 from .plugin import RankHost
 from .process import RankProcess, stop_marked, worker_tmp_root
@@ -60,6 +61,8 @@ class Supervisor:
         self._last_abort_check = 0.0
         self._stop_reason: str | None = None
         self.tmpdir: str | None = None
+        self._notice: dict | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
+        self._started = False  # the child has its Start: a Notice may follow
 
     # ---- the run -------------------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
@@ -104,6 +107,19 @@ class Supervisor:
         if self.child is not None:
             self.child.kill()
 
+    def notice(self, deadline: float, cause: str, worker: str = "") -> None:
+        """Tell the rank that the job must save and stop by ``deadline`` (its worker leaves, or the job grows)."""
+        self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker}
+        if self._started:
+            self._send_notice()
+
+    def _send_notice(self) -> None:
+        n = self._notice
+        try:
+            self.child.send(Notice(n["deadline"], n["cause"], n["worker"]))
+        except OSError:  # the rank has ended
+            pass
+
     def _drive(self) -> RankOutcome:
         ready = self._recv_until(lambda m: isinstance(m, Ready), self.task.spawn_timeout, "start its rank process")
         if isinstance(ready, RankOutcome):
@@ -118,6 +134,9 @@ class Supervisor:
         # directory (dask-cuda's is long) every batch failed to send and the DataLoader waited for good.
         self.tmpdir = tempfile.mkdtemp(prefix=tmpdir_prefix(self.task), dir=worker_tmp_root())
         self.child.send(Start(self.task, port, self.tmpdir))
+        self._started = True
+        if self._notice is not None:
+            self._send_notice()
         return self._watch()
 
     def _recv_until(self, want: Callable, timeout: float, what: str):
@@ -162,9 +181,11 @@ class Supervisor:
                     return result or self._died()
                 if isinstance(msg, Result):
                     result = RankOutcome(self.rank, self.address, Status.OK, value=msg.value)
+                elif isinstance(msg, Saved):  # stopped at the agreed step; every rank passed the barrier
+                    result = RankOutcome(self.rank, self.address, Status.PREEMPTED, preempt=msg.info)
                 elif isinstance(msg, Failed):
                     result = RankOutcome(self.rank, self.address, Status.ERROR, error=msg.error, time=msg.time,
-                                         secondary=msg.secondary)
+                                         secondary=msg.secondary, preempt=self._notice)
                     self._set_abort()  # stop the others now, not when the client notices
                 else:
                     self._handle(msg)
@@ -207,6 +228,8 @@ class Supervisor:
             case Port(port):
                 Variable(self.task.port_variable).set(int(port))
                 Event(self.task.port_variable + "-ready").set()
+            case NoticeSeen(deadline, cause, worker):
+                self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker}
             case Stacks(text):
                 self._stacks.append(text)
                 self._stacks_ready.set()
@@ -227,6 +250,8 @@ class Supervisor:
     def _aborted(self) -> bool:
         if self._stop_reason is not None:
             return True
+        if self._notice is not None and time.time() < self._notice["deadline"] + 1:
+            return False  # the ranks save for a preemption: the job's abort (its worker left) waits for them
         now = time.monotonic()
         if now - self._last_abort_check < self.task.poll_interval:
             return False
@@ -268,7 +293,8 @@ class Supervisor:
 
     def _fail(self, status: Status, message: str, exc: type = RankFailedError) -> RankOutcome:
         err = exc(message, rank=self.rank, worker=self.address)
-        return RankOutcome(self.rank, self.address, status, error=cloudpickle.dumps(err), message=message)
+        return RankOutcome(self.rank, self.address, status, error=cloudpickle.dumps(err), message=message,
+                           preempt=self._notice)
 
     def stacks(self, timeout: float) -> str:
         """The child's Python stack dump, or a line saying why there is none."""

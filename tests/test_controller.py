@@ -44,6 +44,7 @@ class FakeCluster:
         self.pending: list[dict] = []  # event batches to deliver at the next step
         self.held: list[dict] = []  # event batches only a backfill brings
         self.gone: list[str] = []
+        self.retired: list[str] = []  # workers the scheduler retired (expected removals)
         self.stack_dumps: dict[int, str] = {}
         self.futures: list[Future] = []
 
@@ -75,6 +76,10 @@ class FakeCluster:
 
     def removed(self):
         out, self.gone = self.gone, []
+        return out
+
+    def leaving(self):
+        out, self.retired = self.retired, []
         return out
 
     def stacks(self, attempt_id, addresses):
