@@ -203,8 +203,10 @@ def _stop_at(st: _Rank, step: int) -> None:
     if _SAVE is None:
         return  # preempted() tells the code; the next report() raises
     fn, kw = _SAVE
-    save_checkpoint(fn(), step=step, **kw)
-    st.due.saved = True
+    state = fn()
+    if time.time() < note["deadline"]:  # past it, the leaving rank is gone: a save now could never be committed
+        save_checkpoint(state, step=step, **kw)
+        st.due.saved = True
     st.raised_by_us = True
     raise st.due
 

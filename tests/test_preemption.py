@@ -23,7 +23,7 @@ from dask_ddp.outcome import RankOutcome, Status
 from _cluster import leftover_processes, local_client, run, wait_until
 
 
-def train_steps(n_steps, pause=0.05, every=None, register=True):
+def train_steps(n_steps, pause=0.05, every=None, register=True, slow_save=0.0):
     """``n_steps`` DDP steps, resumable from any step; returns the final parameters, flattened."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -40,6 +40,7 @@ def train_steps(n_steps, pause=0.05, every=None, register=True):
         start = state["step"] + 1
 
     def snapshot():
+        time.sleep(slow_save)
         return {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}
 
     if register:
@@ -52,7 +53,8 @@ def train_steps(n_steps, pause=0.05, every=None, register=True):
         loss.backward()
         opt.step()
         if every and step % every == every - 1:
-            dask_ddp.save_checkpoint(snapshot(), step=step)
+            dask_ddp.save_checkpoint({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
+                                     step=step)
         if not register and (p := dask_ddp.preempted()) is not None:
             dask_ddp.save_checkpoint(snapshot(), step=p.step)
             raise p
@@ -84,3 +86,184 @@ def test_retire_workers_saves_and_resumes_on_the_worker_left(tmp_path):
         assert len(values) == 1 and victim not in job.plan.addresses
         assert steps_of(job, 0) == list(range(60)), "steps were lost or repeated"
         assert leftover_processes(c) == []
+
+
+class CliWorkers:
+    """``dask worker`` processes started from the command line (as a pod runs them), each with its Nanny."""
+
+    def __init__(self, scheduler: str):
+        self.scheduler, self.procs = scheduler, {}
+
+    def start(self, name: str, **env) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler, "--name", name, "--nthreads",
+               "1", "--host", "127.0.0.1", "--no-dashboard", "--nanny"]
+        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True)
+        return self.procs[name]
+
+    def descendants(self) -> list:
+        import psutil
+
+        out = []
+        for proc in self.procs.values():
+            try:
+                out += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def cli_cluster():
+    """A scheduler (a LocalCluster without workers) and a :class:`CliWorkers` to start workers against it."""
+    from dask.distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster) as client:
+        workers = CliWorkers(cluster.scheduler_address)
+        try:
+            yield client, workers
+        finally:
+            workers.close()
+
+
+def name_of(job, rank):
+    return str(job.plan.ranks[rank].name)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_dask_worker_process_loses_no_step(cli_cluster, tmp_path):
+    import torch
+
+    client, workers = cli_cluster
+    for name in ("a", "b"):
+        workers.start(name)
+    client.wait_for_workers(2, timeout=120)
+    clean = run(client, train_steps, 50, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
+    job = run(client, train_steps, 50, checkpoint_dir=str(tmp_path / "job"))
+    wait_until(lambda: len(job.metrics) >= 30, 120, what="15 steps")
+    victim = workers.procs[name_of(job, 1)]
+    t0 = time.time()
+    victim.send_signal(signal.SIGTERM)  # what Kubernetes does to a pod's main process
+    workers.start("c")  # the replacement
+    resumed = job.result(timeout=300)
+    assert victim.wait(60) is not None
+    assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+    cause = job.history[1][3]
+    print(f"SIGTERM: {cause}; restarted {job.history[2][0] - t0:.2f} s after the signal")
+    assert cause.startswith("preempted:") and "0 steps lost" in cause
+    assert all(torch.equal(a, b) for a, b in zip(clean, resumed)), "resumed training differs from the clean run"
+    assert steps_of(job, 0) == list(range(50)) and steps_of(job, 1) == list(range(50))
+    assert leftover_processes(client) == []
+
+
+@pytest.mark.slow
+def test_scale_down_saves_and_resumes_on_the_worker_left(tmp_path):
+    with local_client(2) as c:
+        job = run(c, train_steps, 60, checkpoint_dir=str(tmp_path), workers=(1, 2))
+        wait_until(lambda: len(job.metrics) >= 20, 120, what="20 reports")
+        c.cluster.scale(1)
+        values = job.result(timeout=180)
+        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+        print("history:", job.history[1][3])
+        assert job.history[1][3].startswith("preempted:") and "0 steps lost" in job.history[1][3]
+        assert len(values) == 1
+        assert steps_of(job, 0) == list(range(60)), "steps were lost or repeated"
+        assert leftover_processes(c) == []
+
+
+@pytest.mark.slow
+def test_a_save_that_does_not_fit_falls_back_to_the_last_periodic_checkpoint(tmp_path):
+    import dask
+
+    with dask.config.set({"ddp.preemption.grace-period": 1.0}), local_client(2) as c:
+        job = run(c, train_steps, 200, every=10, slow_save=4.0, checkpoint_dir=str(tmp_path), workers=(1, 2))
+        wait_until(lambda: len(job.metrics) >= 2 * 24, 120, what="24 steps")
+        c.retire_workers([job.plan.addresses[1]])
+        job.result(timeout=180)
+        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+        cause = job.history[1][3]
+        print("history:", cause)
+        assert "was not committed within the 1 s grace period" in cause
+        m = job.metrics
+        resumed_at = int(m[m["attempt"] == 1]["step"].min())
+        assert resumed_at % 10 == 0 and f"last periodic checkpoint (step {resumed_at - 1})" in cause
+        top = int(m[m["attempt"] == 0]["step"].max())
+        assert f"{top - resumed_at + 1} steps lost" in cause
+        assert leftover_processes(c) == []
+
+
+@pytest.mark.slow
+def test_an_elastic_job_grows_when_a_worker_joins(tmp_path):
+    with local_client(2) as c:
+        job = run(c, train_steps, 400, checkpoint_dir=str(tmp_path), workers=(2, 3))
+        wait_until(lambda: len(job.metrics) >= 20, 120, what="20 reports")
+        c.cluster.scale(3)
+        wait_until(lambda: len(c.scheduler_info(n_workers=-1)["workers"]) == 3, 120, interval=0.1,
+                   what="the third worker")
+        joined = time.time()
+        values = job.result(timeout=300)
+        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+        print("history:", job.history[1][3])
+        assert job.history[1][3].startswith("grew:") and "0 steps lost" in job.history[1][3]
+        m = job.metrics
+        first_wide = m[(m["attempt"] == 1)]["t"].min()
+        took, saved = first_wide - joined, job.history[1][0] - joined
+        print(f"growth: saved {saved:.1f} s and first step on 3 ranks {took:.1f} s after the worker joined")
+        assert len(values) == 3 and took < 30
+        assert steps_of(job, 0) == list(range(400)), "steps were lost or repeated"
+        assert leftover_processes(c) == []
+
+
+@pytest.mark.slow
+def test_an_adaptive_cluster_closes_idle_workers_not_the_ranks(tmp_path):
+    with local_client(4) as c:
+        job = run(c, train_steps, 200, checkpoint_dir=str(tmp_path), workers=2)
+        wait_until(lambda: len(job.metrics) >= 10, 120, what="10 reports")
+        ranks = set(job.plan.addresses)
+        c.cluster.adapt(minimum=2, maximum=4, interval="200ms", wait_count=2)
+        wait_until(lambda: len(c.scheduler_info(n_workers=-1)["workers"]) == 2, 120, interval=0.2,
+                   what="adapt() to close the idle workers")
+        assert set(c.scheduler_info(n_workers=-1)["workers"]) == ranks
+        job.result(timeout=300)
+        assert states(job) == ["RUNNING", "FINISHED"], job.history
+        assert leftover_processes(c) == []
+
+
+def _outcome(rank, status, **preempt):
+    return RankOutcome(rank, f"tcp://w{rank}", status, preempt=preempt or None)
+
+
+def test_preemption_policy_from_outcomes():
+    assert elastic.preemption([_outcome(0, Status.OK), _outcome(1, Status.OK)]) is None
+    saved = dict(step=7, saved=True, committed=True, cause="c", worker="tcp://w1", heard=1.0, save_took=0.1,
+                 commit_time=1.5)
+    p = elastic.preemption([_outcome(0, Status.PREEMPTED, **saved), _outcome(1, Status.LOST)])
+    assert p.saved and p["step"] == 7
+    assert elastic.reason(p, 7, None, 25) == ("preempted: c; saved step 7 (the save took 0.10 s, notice to commit "
+                                             "0.50 s); 0 steps lost")
+    unsaved = elastic.preemption([_outcome(0, Status.ERROR, cause="c", worker="tcp://w1", deadline=2.0),
+                                  _outcome(1, Status.ABORTED, cause="c", worker="tcp://w1", deadline=2.0)])
+    assert not unsaved.saved
+    text = elastic.reason(unsaved, 12, 9, 1.0)
+    assert "did not stop at an agreed step within the 1 s grace period" in text
+    assert "last periodic checkpoint (step 9); 3 steps lost" in text
+    assert "restarts from the start; 13 steps lost" in elastic.reason(unsaved, 12, None, 1.0)
+    grew = elastic.preemption([_outcome(r, Status.PREEMPTED, **{**saved, "worker": ""}) for r in (0, 1)])
+    assert elastic.reason(grew, 7, None, 25).startswith("grew: c; saved step 7")
+
+
+@pytest.mark.parametrize("bounds, world, idle, more", [((2, 3), 2, 1, 1), ((2, 3), 3, 2, 0), ((1, None), 2, 3, 3),
+                                                       ((2, 4), 2, 0, 0), ((2, 4), 2, 5, 2)])
+def test_grow_by(bounds, world, idle, more):
+    assert elastic.grow_by(bounds, world, idle) == more
