@@ -322,8 +322,8 @@ class Controller:
     def _after_preemption(self, pre: elastic.Preemption) -> policy.Decision:
         """Restart after a preemption or growth (not counted against max_restarts), saying what was saved."""
         self.preemptions += 1
-        if pre.get("worker"):
-            self.departed.add(pre["worker"])
+        if pre.get("kind", "leave") == "leave" and pre.get("worker"):
+            self.departed.add(pre["worker"])  # it is closing: the restart must not plan on it
         fallback = None if pre.saved else elastic.last_checkpoint_step(self.spec.checkpoint_dir, self.run_id,
                                                                         self.spec.checkpoint_options)
         return policy.Decision("restart", elastic.reason(pre, self.record.top_step, fallback, self.grace))

@@ -49,7 +49,7 @@ def reason(p: Preemption, top_step: int, fallback_step: int | None, grace: float
     ``top_step``: the highest step the ranks reported; ``fallback_step``: the newest complete checkpoint's step
     (None: there is none), what the job resumes from when the save did not fit.
     """
-    what = "grew" if not p.get("worker") else "preempted"
+    what = "grew" if p.get("kind") == "grow" else "preempted"
     head = f"{what}: {p.get('cause', 'a notice')}"
     if p.saved:
         lost = max(0, top_step - p["step"])

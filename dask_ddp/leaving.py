@@ -51,7 +51,7 @@ async def drain(host, cause: str, grace: float | None = None) -> int:
     for sup in sups:
         sup.notice(deadline, cause, address)
     logger.info("dask-ddp: %s; %d rank(s) here save before it goes (up to %.0f s)", cause, len(sups), grace)
-    while any(s in host.running() for s in sups) and time.time() < deadline:
+    while any(s in host.running() and s.saving for s in sups) and time.time() < deadline:
         await asyncio.sleep(0.02)
     return len(sups)
 
@@ -105,7 +105,7 @@ async def _notice_here(attempt_id: str, deadline: float, cause: str, dask_worker
 
     sups = RankHost.of(dask_worker).running(attempt_id)
     for sup in sups:
-        sup.notice(deadline, cause)
+        sup.notice(deadline, cause, "", "grow")
     return len(sups)
 
 

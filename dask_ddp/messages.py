@@ -104,20 +104,27 @@ class Flushed:
 class Notice:
     """Save and stop by ``deadline`` (``time.time()``): a worker of the job leaves, or the job grows.
 
-    ``worker`` is the address of the worker that leaves ("" when the job grows)."""
+    ``worker``: the address of the worker that leaves; ``kind``: ``leave`` (a worker leaves), ``grow`` (workers
+    joined an elastic job) or ``signal`` (a rank process received SIGTERM)."""
 
     deadline: float
     cause: str
     worker: str = ""
+    kind: str = "leave"
 
 
 @dataclass(frozen=True)
 class NoticeSeen:
-    """The rank learned of a preemption notice (from its supervisor, a peer, or a SIGTERM of its own)."""
+    """The rank learned of a preemption notice (from its supervisor, a peer, or a SIGTERM of its own).
+
+    ``can_save``: its code registered a save (``on_preemption``) or polls ``preempted()``; if not, it cannot
+    stop at an agreed step and its worker need not wait for it."""
 
     deadline: float
     cause: str
     worker: str = ""
+    can_save: bool = True
+    kind: str = "leave"
 
 
 @dataclass(frozen=True)

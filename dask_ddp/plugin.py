@@ -180,12 +180,13 @@ class RankHost(WorkerPlugin):
     async def teardown(self, worker) -> None:
         """Stop the zygote or spare; when the worker is closing, let its ranks save for a preemption (up to
         ``ddp.preemption.grace-period``, see :mod:`dask_ddp.leaving`), then stop them (nothing outlives it)."""
-        self.launcher.close()
-        if getattr(worker, "status", None) in _CLOSING:
+        if getattr(worker, "status", None) in _CLOSING:  # before the zygote goes: its forked ranks die with it
             from .leaving import drain
 
             await drain(self, f"worker {getattr(worker, 'address', '?')} is closing (retire_workers, a scale-down "
                               "or close)")
+        self.launcher.close()
+        if getattr(worker, "status", None) in _CLOSING:
             for sup in self.running():
                 sup.stop("its Dask worker is closing")
             shutil.rmtree(worker_tmp_root(), ignore_errors=True)  # its ranks' TMPDIRs, whatever is left

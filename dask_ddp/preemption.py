@@ -71,6 +71,7 @@ class _Rank:
         self.due: Preempted | None = None
         self.raised_by_us = False
         self.forced = False
+        self.times: dict[str, float] = {}  # when each phase was reached (time.time()), for job.history and tests
         self.lock = threading.Lock()
 
 
@@ -78,6 +79,7 @@ _RANK: _Rank | None = None
 _PENDING: dict | None = None  # the notice, once one reached this rank: report()'s one check
 _SAVE: tuple[Callable[[], dict], dict] | None = None
 _EARLY: dict | None = None  # a notice that came before start()
+_POLLED = False  # the code called preempted(): it saves by itself
 
 
 def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
@@ -107,7 +109,14 @@ def preempted() -> Preempted | None:
     :class:`Preempted`: save with ``save_checkpoint(state, step=p.step)``, then ``raise p``. A ``report()``
     after that step raises it anyway. ``p.time_left`` is the time left in the grace period.
     """
+    global _POLLED
+    _POLLED = True
     return _RANK.due if _RANK is not None else None
+
+
+def can_save() -> bool:
+    """Whether this rank's code takes part in preemption: it registered a save or polls :func:`preempted`."""
+    return _SAVE is not None or _POLLED
 
 
 # ---- the rank process's side -------------------------------------------------------------------------
@@ -119,15 +128,17 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
     owner = os.getpid()
 
     def on_sigterm(signum, frame):
-        if os.getpid() != owner:  # a forked DataLoader worker: die as it would have
-            os._exit(128 + signum)
+        if os.getpid() != owner or not can_save():  # a DataLoader worker, or code that cannot save: die
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         announce(time.time() + grace, f"rank {rank}'s process on worker {worker} received SIGTERM", worker,
-                 thread=True)
+                 "signal", thread=True)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     threading.Thread(target=_watch, args=(master_addr, port), name="dask-ddp-notice", daemon=True).start()
     if _EARLY is not None:
-        announce(_EARLY["deadline"], _EARLY["cause"], _EARLY["worker"])
+        announce(_EARLY["deadline"], _EARLY["cause"], _EARLY["worker"], _EARLY["kind"])
 
 
 def _watch(master_addr: str, port: int) -> None:
@@ -141,11 +152,11 @@ def _watch(master_addr: str, port: int) -> None:
         return
 
 
-def announce(deadline: float, cause: str, worker: str, thread: bool = False) -> None:
+def announce(deadline: float, cause: str, worker: str, kind: str = "leave", thread: bool = False) -> None:
     """A notice reached this rank: note it and publish it to every rank (through the store)."""
-    note = {"deadline": deadline, "cause": cause, "worker": worker}
+    note = {"deadline": deadline, "cause": cause, "worker": worker, "kind": kind}
     if thread:  # from a signal handler: no store I/O there
-        threading.Thread(target=announce, args=(deadline, cause, worker), daemon=True).start()
+        threading.Thread(target=announce, args=(deadline, cause, worker, kind), daemon=True).start()
         return
     global _EARLY
     if _RANK is None:  # before the process group exists: kept for start()
@@ -169,7 +180,8 @@ def _heard(note: dict) -> None:
     try:
         from .messages import NoticeSeen
 
-        st.send(NoticeSeen(note["deadline"], note["cause"], note.get("worker", "")))
+        st.send(NoticeSeen(note["deadline"], note["cause"], note.get("worker", ""), can_save(),
+                           note.get("kind", "leave")))
     except Exception:  # noqa: BLE001 - the socket closed: the rank is being stopped
         pass
 
@@ -186,10 +198,11 @@ def at_report(step: int) -> None:
         if not st.posted:
             st.store.set(f"{KEY}seen/{st.rank}", str(step))
             st.store.add(KEY + "seen", 1)
-            st.posted = True
+            st.posted, st.times["posted"] = True, time.time()
         if int(st.store.add(KEY + "seen", 0)) < st.world_size:
             return
         st.stop_after = max(int(st.store.get(f"{KEY}seen/{r}")) for r in range(st.world_size))
+        st.times["agreed"] = time.time()
     if step > st.stop_after:
         _stop_at(st, step)
 
@@ -217,21 +230,25 @@ def stopped(exc: Preempted) -> dict:
     st = _RANK
     done = time.time()
     committed = _barrier(st, exc.deadline) if st is not None else False
+    times = {k: round(v - st.heard, 4) for k, v in st.times.items()} if st is not None else {}
     note = (st.notice if st is not None else None) or {}
     started = getattr(exc, "started", done)
     saved = exc.saved or (st is not None and not st.forced)  # raised by the code itself: it saved first
     return {"step": exc.step, "saved": bool(saved),
             "committed": committed, "cause": exc.cause, "worker": note.get("worker", ""),
+            "kind": note.get("kind", "leave"),
             "deadline": exc.deadline, "heard": st.heard if st is not None else done,
-            "save_took": done - started, "commit_time": time.time()}
+            "save_took": done - started, "commit_time": time.time(), "phases": times}
 
 
 def _barrier(st: _Rank, deadline: float) -> bool:
     """Every rank has stopped at the agreed step (rank 0's store closing means it saw them all)."""
     try:
         st.store.add(KEY + "stopped", 1)
+        st.times["stopped"] = time.time()
         while time.time() < deadline:
             if int(st.store.add(KEY + "stopped", 0)) >= st.world_size:
+                st.times["all_stopped"] = time.time()
                 st.store.add(KEY + "left", 1)
                 if st.rank == 0:  # it hosts the store: it stays until the others have seen the count
                     _wait_count(st.store, KEY + "left", st.world_size, min(deadline, time.time() + 5))

@@ -24,6 +24,7 @@ from typing import Callable
 
 import cloudpickle
 from distributed import Event, Variable, get_worker
+from distributed.core import Status as WorkerStatus
 
 from .errors import RankFailedError, RendezvousError
 from .events import Relay, _drop_topic
@@ -40,6 +41,7 @@ STOPPED = "stopped because another rank failed or the job was cancelled"
 ORPHANED = ("stopped because the job's client went away (closed, disconnected or died): a job lives as long as "
             "the client that started it; run(..., detach=True) keeps it running without one")
 _UNWANTED = {"cancelled", "released", "forgotten"}  # a task nobody wants any more (its client released it)
+_CLOSING = (WorkerStatus.closing, WorkerStatus.closing_gracefully)
 
 
 class Supervisor:
@@ -63,6 +65,7 @@ class Supervisor:
         self.tmpdir: str | None = None
         self._notice: dict | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
         self._started = False  # the child has its Start: a Notice may follow
+        self.declined = False  # the rank cannot save for a preemption (see NoticeSeen.can_save)
 
     # ---- the run -------------------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
@@ -107,16 +110,21 @@ class Supervisor:
         if self.child is not None:
             self.child.kill()
 
-    def notice(self, deadline: float, cause: str, worker: str = "") -> None:
+    def notice(self, deadline: float, cause: str, worker: str = "", kind: str = "leave") -> None:
         """Tell the rank that the job must save and stop by ``deadline`` (its worker leaves, or the job grows)."""
-        self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker}
+        self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker, "kind": kind}
         if self._started:
             self._send_notice()
+
+    @property
+    def saving(self) -> bool:
+        """Whether a closing worker should wait for this rank: it runs the job's code and has not declined."""
+        return self._started and not self.declined and self.child is not None and self.child.alive()
 
     def _send_notice(self) -> None:
         n = self._notice
         try:
-            self.child.send(Notice(n["deadline"], n["cause"], n["worker"]))
+            self.child.send(Notice(n["deadline"], n["cause"], n["worker"], n["kind"]))
         except OSError:  # the rank has ended
             pass
 
@@ -228,8 +236,12 @@ class Supervisor:
             case Port(port):
                 Variable(self.task.port_variable).set(int(port))
                 Event(self.task.port_variable + "-ready").set()
-            case NoticeSeen(deadline, cause, worker):
-                self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker}
+            case NoticeSeen(deadline, cause, worker, can_save, kind):
+                if not can_save:  # its code neither registered a save nor polls: nothing to wait for
+                    self._notice, self.declined = None, True
+                else:
+                    self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker,
+                                                    "kind": kind}
             case Stacks(text):
                 self._stacks.append(text)
                 self._stacks_ready.set()
@@ -271,6 +283,8 @@ class Supervisor:
         A local read of the worker's own state: the scheduler cancels the task on the worker (within
         milliseconds of the client's connection closing) but cannot stop a running task; this does.
         """
+        if self.worker.status in _CLOSING:  # closing cancels its tasks; its teardown stops (or drains) the ranks
+            return False
         ts = self.worker.state.tasks.get(self.key) if self.key is not None else None
         return ts is None or ts.state in _UNWANTED
 

@@ -55,10 +55,10 @@ def train_steps(n_steps, pause=0.05, every=None, register=True, slow_save=0.0):
         if every and step % every == every - 1:
             dask_ddp.save_checkpoint({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
                                      step=step)
-        if not register and (p := dask_ddp.preempted()) is not None:
+        dask_ddp.report(step=step, loss=loss.item(), world=ctx.world_size, t=time.time())
+        if not register and (p := dask_ddp.preempted()) is not None:  # right after the report of the agreed step
             dask_ddp.save_checkpoint(snapshot(), step=p.step)
             raise p
-        dask_ddp.report(step=step, loss=loss.item(), world=ctx.world_size, t=time.time())
         time.sleep(pause)
     return torch.cat([p.detach().flatten() for p in model.module.parameters()])
 
@@ -72,9 +72,11 @@ def steps_of(job, rank=0):
     return sorted(m[m["rank"] == rank]["step"])
 
 
-def test_retire_workers_saves_and_resumes_on_the_worker_left(tmp_path):
+@pytest.mark.parametrize("register", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_retire_workers_saves_and_resumes_on_the_worker_left(tmp_path, register):
+    """register: dask-ddp saves what on_preemption registered; else the code polls preempted() and saves."""
     with local_client(2) as c:
-        job = run(c, train_steps, 60, checkpoint_dir=str(tmp_path), workers=(1, 2))
+        job = run(c, train_steps, 60, checkpoint_dir=str(tmp_path), workers=(1, 2), register=register)
         wait_until(lambda: len(job.metrics) >= 20, 120, what="20 reports")
         victim = job.plan.addresses[1]
         c.retire_workers([victim])
@@ -259,7 +261,8 @@ def test_preemption_policy_from_outcomes():
     assert "did not stop at an agreed step within the 1 s grace period" in text
     assert "last periodic checkpoint (step 9); 3 steps lost" in text
     assert "restarts from the start; 13 steps lost" in elastic.reason(unsaved, 12, None, 1.0)
-    grew = elastic.preemption([_outcome(r, Status.PREEMPTED, **{**saved, "worker": ""}) for r in (0, 1)])
+    grew = elastic.preemption([_outcome(r, Status.PREEMPTED, **{**saved, "worker": "", "kind": "grow"})
+                               for r in (0, 1)])
     assert elastic.reason(grew, 7, None, 25).startswith("grew: c; saved step 7")
 
 
@@ -267,3 +270,25 @@ def test_preemption_policy_from_outcomes():
                                                        ((2, 4), 2, 0, 0), ((2, 4), 2, 5, 2)])
 def test_grow_by(bounds, world, idle, more):
     assert elastic.grow_by(bounds, world, idle) == more
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_rank_process_takes_part_in_the_save(tmp_path):
+    """The whole pod is signalled: a rank process that gets SIGTERM itself saves with the others."""
+    import torch
+
+    from _cluster import rank_process_pids
+
+    with local_client(2) as c:
+        clean = run(c, train_steps, 50, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
+        job = run(c, train_steps, 50, checkpoint_dir=str(tmp_path / "job"))
+        wait_until(lambda: len(job.metrics) >= 30, 120, what="15 steps")
+        [pid] = rank_process_pids(c)[job.plan.addresses[1]]["running"]
+        os.kill(pid, signal.SIGTERM)
+        resumed = job.result(timeout=300)
+        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+        cause = job.history[1][3]
+        print("history:", cause)
+        assert "rank 1's process" in cause and "received SIGTERM" in cause and "0 steps lost" in cause
+        assert all(torch.equal(a, b) for a, b in zip(clean, resumed)), "resumed training differs from the clean run"
+        assert leftover_processes(c) == []
