@@ -21,7 +21,7 @@ one telemetry item and 2 log lines, about 1.5 KiB). For each N:
    scheduler CPU over idle, divided by the batches the client received, is
    the scheduler's CPU per batch (``c``); the client's CPU per batch too.
 
-The rule (dask_ddp.events.flush_interval_for): a job of ``W`` ranks flushes
+The rule (dask_ddp.task.flush_interval_for): a job of ``W`` ranks flushes
 each rank's batches at most every ``max(flush-interval, W / max-batches-per-second)``
 seconds, so the whole job sends at most ``max-batches-per-second`` batches a
 second; with ``c`` measured here the default (200 a second) costs the
@@ -146,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     from distributed import Client
 
-    from dask_ddp.events import flush_interval_for
+    from dask_ddp.task import flush_interval_for
 
     port = 40000 + os.getpid() % 20000
     sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
@@ -187,7 +187,8 @@ def main() -> None:
               f"| {r['per_batch_ms']:.2f} | {r['client_per_batch_ms']:.2f} | {r['p95_delay']:.2f} |"
               + (" senders starved: left out" if r["starved"] else "") for r in rows]
     last = rows[-1]
-    lines += ["", f"Scheduler CPU per batch (median of the 1 s rows whose senders kept up, 80 % of the batches asked for): **{per_batch:.2f} ms**. The rule "
+    lines += ["", "Scheduler CPU per batch (median of the 1 s rows whose senders kept up, 80 % of the batches asked "
+              f"for): **{per_batch:.2f} ms**. The rule "
               f"(`ddp.events.max-batches-per-second: {budget}`): a job of W ranks flushes each rank at most every "
               f"max(1 s, W / {budget}) s, so at 1,000 ranks every {flush_interval_for(1000, 1.0):.0f} s, "
               f"{budget} batches a second in all: about {budget * per_batch / 10:.1f} % of one core of the "

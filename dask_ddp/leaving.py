@@ -31,6 +31,7 @@ __all__ = ["drain", "LeaveGracefully", "register", "notify", "grace_period"]
 logger = logging.getLogger("dask_ddp")
 
 NAME = "dask-ddp-leave"
+RANK_HOST = "dask-ddp"  # the name of the workers' RankHost plugin (dask_ddp.plugin, which imports this module)
 _registered: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -58,9 +59,7 @@ async def drain(host, cause: str, grace: float | None = None) -> int:
 
 async def drain_on_worker(cause: str, dask_worker=None) -> int:
     """:func:`drain` on this worker; the Nanny runs it through the worker's ``run`` handler."""
-    from .plugin import RankHost
-
-    host = dask_worker.plugins.get(RankHost.name)
+    host = dask_worker.plugins.get(RANK_HOST)
     if host is None:
         return 0
     told = await drain(host, cause)
@@ -101,9 +100,8 @@ def register(client) -> None:
 
 
 async def _notice_here(attempt_id: str, deadline: float, cause: str, dask_worker=None) -> int:
-    from .plugin import RankHost
-
-    sups = RankHost.of(dask_worker).running(attempt_id)
+    host = dask_worker.plugins.get(RANK_HOST)
+    sups = host.running(attempt_id) if host is not None else []
     for sup in sups:
         sup.notice(deadline, cause, "", "grow")
     return len(sups)

@@ -27,6 +27,8 @@ import dask
 from distributed import WorkerPlugin
 from distributed.core import Status
 
+from .leaving import RANK_HOST, drain
+from .leaving import register as leave_gracefully
 from .process import RankProcess, Zygote, sweep_tmp_roots, worker_tmp_root
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ __all__ = ["RankHost", "register", "rank_process_pids", "dump_stacks", "warm_spa
 
 logger = logging.getLogger("dask_ddp")
 
-NAME = "dask-ddp"
+NAME = RANK_HOST  # "dask-ddp"
 _CLOSING = (Status.closing, Status.closed, Status.failed)
 
 
@@ -181,8 +183,6 @@ class RankHost(WorkerPlugin):
         """Stop the zygote or spare; when the worker is closing, let its ranks save for a preemption (up to
         ``ddp.preemption.grace-period``, see :mod:`dask_ddp.leaving`), then stop them (nothing outlives it)."""
         if getattr(worker, "status", None) in _CLOSING:  # before the zygote goes: its forked ranks die with it
-            from .leaving import drain
-
             await drain(self, f"worker {getattr(worker, 'address', '?')} is closing (retire_workers, a scale-down "
                               "or close)")
         self.launcher.close()
@@ -223,8 +223,6 @@ def register(client) -> None:
 
     One round trip to the scheduler, a no-op when any client registered it before.
     """
-    from .leaving import register as leave_gracefully
-
     client.register_plugin(RankHost(), name=NAME)
     leave_gracefully(client)  # on every Nanny: SIGTERM gives the ranks the grace period to save
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .events import flush_interval_for
 from .plan import RankPlan, RankSpec, torchrun_env
 from .spec import LaunchSpec
 
-__all__ = ["RankTask", "rank_tasks", "topic_of"]
+__all__ = ["RankTask", "rank_tasks", "topic_of", "flush_interval_for"]
 
 
 def topic_of(run_id: str) -> str:
@@ -82,6 +81,28 @@ class RankTask:
         """torchrun's environment for the rank (all but MASTER_PORT, known once rank 0 has bound it)."""
         return torchrun_env(self.rank, self.master_addr, self.run_id, self.attempt, self.max_restarts) | {
             TOKEN_VARIABLE: self.token}
+
+
+def flush_interval_for(world_size: int, interval: float, max_batches_per_second: float | None = 100) -> float:
+    """Seconds between a rank's event batches for a job of ``world_size`` ranks: ``interval``, or longer when the
+    job would otherwise send the scheduler more than ``max_batches_per_second`` batches in all.
+
+    Each batch costs the scheduler about the same CPU whatever its size (benchmarks/RESULTS_events_scale.md
+    measures it: about 1 ms on a shared 2-core box), so bounding the job's batch rate bounds its share of the
+    scheduler at any world size: the default, 100 a second, keeps a job near 10 % of one scheduler core; up to
+    100 ranks each flushes every ``interval`` (1 s), at 1,000 ranks every 10 s. None or 0: no bound.
+
+    Raises
+    ------
+    ValueError
+        If ``world_size`` < 1, ``interval`` <= 0 or ``max_batches_per_second`` < 0.
+    """
+    if world_size < 1 or not interval > 0 or (max_batches_per_second or 0) < 0:
+        raise ValueError(f"flush_interval_for({world_size!r}, {interval!r}, {max_batches_per_second!r}): expected "
+                         "world_size >= 1, interval > 0 and max_batches_per_second >= 0 (ddp.events)")
+    if not max_batches_per_second:
+        return float(interval)
+    return max(float(interval), world_size / max_batches_per_second)
 
 
 def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> list[RankTask]:

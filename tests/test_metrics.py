@@ -29,7 +29,8 @@ import torch  # noqa: E402
 
 import dask_ddp  # noqa: E402
 from dask_ddp import dispatch  # noqa: E402
-from dask_ddp.events import EventOrder, TopicFeed, flush_interval_for  # noqa: E402
+from dask_ddp.events import EventOrder, TopicFeed
+from dask_ddp.task import flush_interval_for  # noqa: E402
 from dask_ddp.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
 
 from _cluster import leftover_processes, wait_until  # noqa: E402
