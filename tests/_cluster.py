@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import psutil
 from dask.distributed import Client, LocalCluster
 
+import dask_ddp
 from dask_ddp import dispatch
 
 
@@ -80,3 +81,47 @@ def leftover_processes(client, wait: float = 10.0) -> list:
 
 def no_running_ranks(client) -> bool:
     return all(not got["running"] for got in rank_process_pids(client).values())
+
+
+def train_with_checkpoints(epochs, step_time):
+    """DDP training that saves a checkpoint every epoch and resumes from the latest one: 5 steps an epoch,
+    ``step_time`` s each; returns (world size, restart count, first epoch run, the parameters)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    state = dask_ddp.load_checkpoint()
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+    for epoch in range(start, epochs):
+        for _ in range(5):
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            dask_ddp.report(loss=loss, epoch=epoch, world=ctx.world_size, at=time.time())
+            time.sleep(step_time)
+        dask_ddp.save_checkpoint({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                                  "epoch": epoch}, step=epoch, keep=2)
+    return ctx.world_size, ctx.restart_count, start, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def elastic_job_past_its_first_checkpoint(client, folder, ranks: int):
+    """Start :func:`train_with_checkpoints` (10 epochs of 1 s) as an elastic job (``workers=(2, None)``, one
+    restart) and return it once every one of its ``ranks`` ranks is in epoch 1 (a checkpoint saved)."""
+    job = run(client, train_with_checkpoints, 10, 0.2, workers=(2, None), max_restarts=1, checkpoint_dir=str(folder))
+    wait_until(lambda: not job.metrics.empty and (job.metrics["epoch"] >= 1).sum() >= ranks, 240,
+               what="every rank in epoch 1 (a checkpoint saved)")
+    return job
+
+
+def first_step_after_restart(job) -> float:
+    """When the first step of the job's last attempt was reported (``at``, the rank's clock)."""
+    m = job.metrics
+    return float(m.loc[m["attempt"] == m["attempt"].max(), "at"].min())

@@ -20,7 +20,7 @@ import pytest
 
 import dask_ddp
 
-from _cluster import run, wait_until
+from _cluster import elastic_job_past_its_first_checkpoint, first_step_after_restart, run, wait_until
 from _hosts import ip, simulated_hosts, unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -110,34 +110,6 @@ def raise_on(bad):
     while True:
         dist.all_reduce(torch.ones(1))
         time.sleep(0.01)
-
-
-def train_with_checkpoints(epochs, step_time):
-    """DDP training that saves a checkpoint every epoch and resumes from the latest one."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ctx = dask_ddp.get_context()
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = 0
-    state = dask_ddp.load_checkpoint()
-    if state is not None:
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start = state["epoch"] + 1
-    for epoch in range(start, epochs):
-        for _ in range(5):
-            loss = model(torch.randn(16, 8)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            dask_ddp.report(loss=loss, epoch=epoch, world=ctx.world_size, at=time.time())
-            time.sleep(step_time)
-        dask_ddp.save_checkpoint({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                                  "epoch": epoch}, step=epoch, keep=2)
-    return ctx.world_size, ctx.restart_count, start, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------
@@ -240,10 +212,7 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
     """Host h3's link goes down mid-job: the job restarts from its checkpoint on h1 and h2; h3 comes back."""
     hosts, client = three_hosts, three_hosts.client
     victim = hosts.hosts[2]
-    job = run(client, train_with_checkpoints, 10, 0.2, workers=(2, None), max_restarts=1,
-              checkpoint_dir=str(tmp_path))
-    wait_until(lambda: not job.metrics.empty and (job.metrics["epoch"] >= 1).sum() >= 6, 240,
-               what="every rank in epoch 1 (a checkpoint saved)")
+    job = elastic_job_past_its_first_checkpoint(client, tmp_path, 6)
     t_cut = time.time()
     hosts.cut(victim)
     try:
@@ -253,7 +222,7 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
         out = job.result(timeout=300)
     finally:
         hosts.restore(victim)
-    print(f"host cut off: first step after the restart {_first_step_after_restart(job) - t_cut:.2f} s after the cut")
+    print(f"host cut off: first step after the restart {first_step_after_restart(job) - t_cut:.2f} s after the cut")
     assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
     assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
     assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
@@ -275,12 +244,6 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
                what="6 live workers, 2 per host")
     print(f"all 6 workers live again {time.time() - t_back:.1f} s after the link came back")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
-
-
-def _first_step_after_restart(job) -> float:
-    """When the first step of the job's last attempt was reported (``at``, the rank's clock)."""
-    m = job.metrics
-    return float(m.loc[m["attempt"] == m["attempt"].max(), "at"].min())
 
 
 def _fresh(client, host, hosts) -> int:
@@ -409,10 +372,7 @@ def test_all_workers_of_one_host_killed_at_once(three_hosts, tmp_path):
     checkpoint on h1 and h3, no rank process is left anywhere, and workers started again on h2 serve the next job."""
     hosts, client = three_hosts, three_hosts.client
     victim = hosts.hosts[1]
-    job = run(client, train_with_checkpoints, 10, 0.2, workers=(2, None), max_restarts=1,
-              checkpoint_dir=str(tmp_path))
-    wait_until(lambda: not job.metrics.empty and (job.metrics["epoch"] >= 1).sum() >= 6, 240,
-               what="every rank in epoch 1 (a checkpoint saved)")
+    job = elastic_job_past_its_first_checkpoint(client, tmp_path, 6)
     t_kill = time.time()
     for p in hosts.host_procs[victim.index]:
         os.killpg(p.pid, signal.SIGKILL)
@@ -420,7 +380,7 @@ def test_all_workers_of_one_host_killed_at_once(three_hosts, tmp_path):
     when = next(h[0] for h in job.history if h[2] == "RESTARTING")
     out = job.result(timeout=300)
     print(f"all workers of one host killed: the job was RESTARTING {when - t_kill:.2f} s later, its first step "
-          f"after the restart {_first_step_after_restart(job) - t_kill:.2f} s after the kill")
+          f"after the restart {first_step_after_restart(job) - t_kill:.2f} s after the kill")
     assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
     assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
     assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
