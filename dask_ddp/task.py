@@ -83,14 +83,19 @@ class RankTask:
             TOKEN_VARIABLE: self.token}
 
 
-def flush_interval_for(world_size: int, interval: float, max_batches_per_second: float | None = 100) -> float:
-    """Seconds between a rank's event batches for a job of ``world_size`` ranks: ``interval``, or longer when the
-    job would otherwise send the scheduler more than ``max_batches_per_second`` batches in all.
+def flush_interval_for(world_size: int, interval: float, max_batches_per_second: float | None = 60,
+                       rank: int | None = None) -> float:
+    """Seconds between rank ``rank``'s event batches in a job of ``world_size`` ranks: ``interval``, or longer when
+    the job would otherwise send the scheduler more than ``max_batches_per_second`` batches in all.
 
     Each batch costs the scheduler about the same CPU whatever its size (benchmarks/RESULTS_events_scale.md
-    measures it: about 1 ms on a shared 2-core box), so bounding the job's batch rate bounds its share of the
-    scheduler at any world size: the default, 100 a second, keeps a job near 10 % of one scheduler core; up to
-    100 ranks each flushes every ``interval`` (1 s), at 1,000 ranks every 10 s. None or 0: no bound.
+    measures it: 1.0-1.3 ms of a scheduler core on the 2-core development box), so bounding the job's batch
+    rate bounds its share of the scheduler at any world size: the default, 60 a second, keeps a job at 6-8 %
+    of one scheduler core. Up to 60 ranks every rank flushes every ``interval`` (1 s). Past that, rank 0 keeps
+    ``interval`` (its reports drive the notebook's progress bar and live metrics, so they stay about a second
+    old at any size) and the other ranks share what is left of the budget: at 1,000 ranks each flushes every
+    999 / 59 = 16.9 s. ``rank=None`` gives a rank other than 0. ``max_batches_per_second`` None or 0: no bound.
+    When the bound is below rank 0's own rate, every rank gets ``world_size / max_batches_per_second``.
 
     Raises
     ------
@@ -100,19 +105,24 @@ def flush_interval_for(world_size: int, interval: float, max_batches_per_second:
     if world_size < 1 or not interval > 0 or (max_batches_per_second or 0) < 0:
         raise ValueError(f"flush_interval_for({world_size!r}, {interval!r}, {max_batches_per_second!r}): expected "
                          "world_size >= 1, interval > 0 and max_batches_per_second >= 0 (ddp.events)")
+    interval = float(interval)
     if not max_batches_per_second:
-        return float(interval)
-    return max(float(interval), world_size / max_batches_per_second)
+        return interval
+    uniform = max(interval, world_size / max_batches_per_second)
+    rest = max_batches_per_second - 1 / interval  # what rank 0 leaves to the others
+    if uniform == interval or world_size == 1 or rest <= 0:
+        return uniform
+    return interval if rank == 0 else max(interval, (world_size - 1) / rest)
 
 
 def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> list[RankTask]:
     """The tasks of every rank of ``plan`` for attempt ``attempt`` (0 first), in rank order."""
-    interval = flush_interval_for(plan.world_size, spec.flush_interval, spec.max_batches_per_second)
     return [RankTask(run_id=run_id, attempt=attempt, rank=r, master_addr=plan.master_addr, backend=spec.backend,
                      call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
                      spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval,
-                     flush_interval=interval, telemetry_interval=spec.telemetry_interval,
-                     max_restarts=spec.max_restarts,
+                     flush_interval=flush_interval_for(plan.world_size, spec.flush_interval,
+                                                       spec.max_batches_per_second, r.rank),
+                     telemetry_interval=spec.telemetry_interval, max_restarts=spec.max_restarts,
                      checkpoint_dir=spec.checkpoint_dir, checkpoint_options=spec.checkpoint_options,
                      spare_early=attempt < spec.max_restarts)
             for r in plan.ranks]

@@ -357,14 +357,36 @@ def test_a_large_job_flushes_less_often_so_its_batch_rate_is_bounded(client):
 
 
 def test_flush_interval_for_world_sizes():
-    assert flush_interval_for(8, 1.0, 100) == 1.0
-    assert flush_interval_for(100, 1.0, 100) == 1.0
-    assert flush_interval_for(1000, 1.0, 100) == 10.0
+    assert flush_interval_for(8, 1.0) == 1.0 and flush_interval_for(60, 1.0, rank=59) == 1.0  # the default: 60
+    assert flush_interval_for(1000, 1.0, rank=0) == 1.0 and flush_interval_for(1000, 1.0) == 999 / 59
+    assert flush_interval_for(8, 1.0, 80) == 1.0 and flush_interval_for(80, 1.0, 80, rank=79) == 1.0
+    # past the bound rank 0 keeps the interval (the notebook's live view), the others share the rest
+    assert flush_interval_for(1000, 1.0, 80, rank=0) == 1.0
+    assert flush_interval_for(1000, 1.0, 80, rank=1) == flush_interval_for(1000, 1.0, 80) == 999 / 79
+    assert 1 / 1.0 + 999 / flush_interval_for(1000, 1.0, 80) == pytest.approx(80)  # the job's rate: the bound
+    assert flush_interval_for(1000, 1.0, 100, rank=7) == 999 / 99
     assert flush_interval_for(1000, 1.0, None) == 1.0 and flush_interval_for(1000, 1.0, 0) == 1.0
-    assert flush_interval_for(2, 0.25, 0.5) == 4.0
+    # a bound below rank 0's own rate: every rank alike
+    assert flush_interval_for(2, 0.25, 0.5) == flush_interval_for(2, 0.25, 0.5, rank=0) == 4.0
+    assert flush_interval_for(1, 1.0, 0.5, rank=0) == 2.0
     for bad in [(0, 1.0, 100), (4, 0.0, 100), (4, 1.0, -1)]:
         with pytest.raises(ValueError, match="flush_interval_for"):
             flush_interval_for(*bad)
+
+
+@pytest.mark.slow
+def test_past_the_bound_rank_0_keeps_its_interval_and_the_others_flush_less(client):
+    """4.2 batches a second for 2 ranks flushing every 0.25 s: rank 0 keeps 0.25 s (4 a second), rank 1 gets
+    what is left, one batch every 5 s. (The uniform rule gave both one every 0.48 s: about 11 in 5 s.)"""
+    seconds = 5.0
+    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": 4.2}):
+        job = dispatch.run(client, steady, seconds, progress=False)
+    job.result(timeout=120)
+    batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}
+    print(f"batches per rank in {seconds} s of reports: {batches}")
+    assert batches[0] >= 15, batches  # about 20 at 0.25 s
+    assert batches[1] <= 4, batches  # at once, maybe at 5 s, the final flush, one spare
+    assert all(n > 300 for n in job.metrics.groupby("rank").size()), job.metrics.groupby("rank").size()
 
 
 def test_bad_event_settings_are_refused_before_anything_ships(client):
