@@ -9,11 +9,10 @@ the straggler watch must name the rank that was made slow, with its cause.
 from __future__ import annotations
 
 import logging
-import time
 
 import dask
 import pytest
-from _cluster import run, wait_until
+from _cluster import run
 
 STEP_INPUT = 0.15  # seconds a slow loader sleeps per batch
 STEP_COMPUTE = 0.15  # seconds a slow step sleeps after its forward pass
