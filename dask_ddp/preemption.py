@@ -37,6 +37,7 @@ __all__ = ["Preempted", "preempted", "on_preemption"]
 
 KEY = "dask_ddp/pre/"
 _FOREVER = timedelta(days=7)  # a watcher's wait: a timed-out wait logs warnings, so wait long
+END = "end"  # the notice key's value once every rank has finished: the watchers return
 
 
 class Preempted(BaseException):
@@ -80,6 +81,7 @@ _PENDING: dict | None = None  # the notice, once one reached this rank: report()
 _SAVE: tuple[Callable[[], dict], dict] | None = None
 _EARLY: dict | None = None  # a notice that came before start()
 _POLLED = False  # the code called preempted(): it saves by itself
+_WATCHER: threading.Thread | None = None  # this rank's watcher of the notice key
 
 
 def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
@@ -136,7 +138,9 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
                  "signal", thread=True)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    threading.Thread(target=_watch, args=(master_addr, port), name="dask-ddp-notice", daemon=True).start()
+    global _WATCHER
+    _WATCHER = threading.Thread(target=_watch, args=(master_addr, port), name="dask-ddp-notice", daemon=True)
+    _WATCHER.start()
     if _EARLY is not None:
         announce(_EARLY["deadline"], _EARLY["cause"], _EARLY["worker"], _EARLY["kind"])
 
@@ -147,8 +151,31 @@ def _watch(master_addr: str, port: int) -> None:
     try:
         own = dist.TCPStore(master_addr, port, is_master=False, timeout=_FOREVER)
         own.wait([KEY + "notice"], _FOREVER)
-        _heard(json.loads(own.get(KEY + "notice")))
+        value = own.get(KEY + "notice").decode()
+        if value == END:
+            own.add(KEY + "released", 1)
+            return
+        _heard(json.loads(value))
     except Exception:  # noqa: BLE001 - the store closed: the job ended
+        return
+
+
+def release(store, rank: int, world_size: int, wait: float = 2.0) -> None:
+    """At the end of a job whose ranks all returned (after the ``done`` count): let the notice watchers go.
+
+    A watcher blocks in a store ``wait``; if rank 0 closed the store under it, torch would print a warning
+    with a C++ stack trace into the rank's output. So rank 0 sets the notice key to :data:`END` (unless a real
+    notice is there: the watchers have returned already), which wakes every watcher, and waits up to ``wait``
+    seconds until they all said so; the other ranks wait for their own watcher as long.
+    """
+    try:
+        if rank == 0:
+            if store.compare_set(KEY + "notice", "", END).decode() != END:
+                return
+            _wait_count(store, KEY + "released", world_size, time.time() + wait)
+        elif _WATCHER is not None:
+            _WATCHER.join(wait)
+    except Exception:  # noqa: BLE001 - the store is gone: nothing is left to wait for
         return
 
 

@@ -241,13 +241,14 @@ def _is_collective_error(exc: BaseException) -> bool:
 
 
 def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
-    """Rank 0 hosts the store: it stays until every rank has finished, so no rank loses it early."""
+    """Rank 0 hosts the store: it stays until every rank has finished, so no rank loses it early; then every
+    rank's notice watcher is let go (:func:`preemption.release`) before the store can close."""
     store.add("dask_ddp/done", 1)
-    if rank != 0:
-        return
-    deadline = time.monotonic() + wait
-    while store.add("dask_ddp/done", 0) < world_size and time.monotonic() < deadline:
-        time.sleep(0.01)
+    if rank == 0:
+        deadline = time.monotonic() + wait
+        while store.add("dask_ddp/done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    preemption.release(store, rank, world_size)  # no notice watcher left waiting on the store when it closes
 
 
 def warm_imports() -> None:
