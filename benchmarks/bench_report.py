@@ -187,7 +187,7 @@ def run_job(client, fn, *args, callbacks=(), warm=True):
     if warm:
         wait_warm(client)
     job = dispatch.run(client, fn, *args, progress=False, callbacks=list(callbacks))
-    return job, job.result(timeout=600)
+    return job, job.result(timeout=3600)  # --blocks 80 of 250 steps run for about 10 minutes
 
 
 def _mean_ci(xs):
