@@ -146,6 +146,7 @@ KILLER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)  # memory:// lives in one process
+@pytest.mark.slow
 def test_killed_mid_write_keeps_previous(store):
     directory, opts = store
     ck.save_checkpoint({"step": 1}, 1, directory=directory, storage_options=opts)
@@ -380,6 +381,7 @@ def fail_once_after_saving():
     return {"loaded": dask_ddp.load_checkpoint(), "run_id": ctx.run_id}
 
 
+@pytest.mark.slow
 def test_a_restart_resumes_from_its_own_jobs_folder(client, tmp_path):
     from _cluster import run
 
@@ -388,6 +390,7 @@ def test_a_restart_resumes_from_its_own_jobs_folder(client, tmp_path):
     assert os.listdir(tmp_path) == [job.run_id]
 
 
+@pytest.mark.slow
 def test_two_jobs_sharing_name_and_checkpoint_dir_stay_apart(client, tmp_path):
     from _cluster import leftover_processes, run
 

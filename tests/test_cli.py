@@ -86,6 +86,7 @@ def cluster():
 
 # ---- help and usage ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_help_explains_itself():
     top = run_cli("--help", timeout=60)
     assert top.returncode == 0
@@ -224,6 +225,7 @@ def test_every_worker_by_default_and_too_many_workers(cluster, tmp_path):
     assert "asked for 5 workers, the cluster has 3" in too_many.stderr
 
 
+@pytest.mark.slow
 def test_a_failing_rank_exits_1_with_the_root_cause(cluster, tmp_path):
     address, client = cluster
     script = write(tmp_path, "fails.py", """
@@ -268,6 +270,7 @@ def test_sys_exit_codes(cluster, tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_max_restarts(cluster, tmp_path):
     address, client = cluster
     script = write(tmp_path, "flaky.py", """

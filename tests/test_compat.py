@@ -203,6 +203,7 @@ def _verdicts(client):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the nccl default")
+@pytest.mark.slow
 def test_default_backend_is_nccl_and_says_to_use_gloo_on_cpu(client):
     futures = dispatch.run(client, lambda: 1)
     with pytest.raises(dask_ddp.PlanError, match="backend='gloo'"):

@@ -216,6 +216,7 @@ def test_the_controller_tells_the_scheduler_every_transition_with_its_attempt_an
 
 
 # ---- a real scheduler ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_nothing_of_dask_ddp_is_on_a_scheduler_before_its_first_job():
     with local_client(1) as client:
         url = base_url(client)
@@ -247,6 +248,7 @@ def _step_ms(text: str) -> float:
     return float(text.removesuffix(" ms"))
 
 
+@pytest.mark.slow
 def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
     """A real 2-rank job's own telemetry (nothing fed by hand) reaches /metrics and the page, and the straggler the
     controller names (rank 1, its compute; the window shortened to 3 s) is flagged on both."""
@@ -321,6 +323,7 @@ def _browser():
     return driver, profile
 
 
+@pytest.mark.slow
 def test_the_ddp_page_in_a_real_browser_lists_both_ranks_with_their_step_times(client, tmp_path):
     driver, profile = _browser()
     stop = str(tmp_path / "stop")

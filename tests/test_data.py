@@ -413,7 +413,8 @@ def test_index_is_reusable_without_listing(counted):
         S3ImageFolder(url, index=index, retries=-1)
 
 
-@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow), "forkserver"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow),
+                                     pytest.param("forkserver", marks=pytest.mark.slow)])
 def test_dataloader_workers_in_every_start_method(s3, context):
     url = _put_s3(s3, TREE)
     ds = S3ImageFolder(url, transform=ToTensor(), storage_options=s3["storage_options"])
@@ -458,6 +459,7 @@ def test_cache_serves_later_epochs_from_disk(counted, tmp_path):
     assert recorder.log == []
 
 
+@pytest.mark.slow
 def test_cache_that_cannot_be_written_warns_once_and_samples_still_load(counted, tmp_path, caplog):
     recorder, url, opts = counted
     bucket = url.split("/")[2]

@@ -51,6 +51,7 @@ def env_and_context():
             "worker": ctx.worker, "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
 
 
+@pytest.mark.slow
 def test_ddp_parameters_identical_after_training(client):
     job = run(client, train_ddp, 5, lr=0.05)
     values = job.result(timeout=120)

@@ -102,6 +102,7 @@ def test_torchrun_script_under_torchrun_and_under_dask_ddp(client):
     assert final_loss(ours.stdout) == pytest.approx(final_loss(real.stdout), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_local_cuda_cluster_skips_cleanly_without_a_gpu():
     import torch
 

@@ -50,6 +50,7 @@ def buffer():
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=TEXT, value=NUMBERS)
+@pytest.mark.slow
 def test_report_takes_what_can_travel_and_names_the_key_of_what_cannot(buffer, key, value):
     buffer.items.clear()
     try:
@@ -65,6 +66,7 @@ def test_report_takes_what_can_travel_and_names_the_key_of_what_cannot(buffer, k
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(message=LONG_TEXT, arg=TEXT, name=TEXT)
+@pytest.mark.slow
 def test_log_records_always_encode_and_are_cut(buffer, message, arg, name):
     buffer.items.clear()
     handler = reporting._LogHandler(buffer)

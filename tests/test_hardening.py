@@ -50,6 +50,7 @@ def running_ranks(client) -> list[int]:
 
 
 @pytest.mark.parametrize("how", ["close", "kill"])
+@pytest.mark.slow
 def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
     """A notebook's kernel restarted (or its client closed) mid-training: its ranks must not train on as orphans."""
     proc = subprocess.Popen([sys.executable, "-c", NOTEBOOK, client.scheduler.address, how],
@@ -107,6 +108,7 @@ def _start_detached(client, name: str, steps: int) -> str:
     return line[1]
 
 
+@pytest.mark.slow
 def test_a_detached_job_outlives_its_client_and_a_new_client_attaches_and_cancels_it(client):
     run_id = _start_detached(client, "detached-long", 100_000)
     with pytest.raises(dask_ddp.DetachedJobNotFound, match="no detached jobs named 'nope'"):
@@ -127,6 +129,7 @@ def test_a_detached_job_outlives_its_client_and_a_new_client_attaches_and_cancel
     assert job.state == "CANCELLED" and leftover_processes(client) == []
 
 
+@pytest.mark.slow
 def test_a_detached_job_that_ended_alone_gives_its_result_to_a_later_attach(client):
     run_id = _start_detached(client, "detached-short", 40)
     late = dask_ddp.attach(client, run_id, progress=False)  # by run id

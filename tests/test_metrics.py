@@ -449,6 +449,7 @@ def _log_from_worker(topic, msg):
     get_worker().log_event(topic, msg)
 
 
+@pytest.mark.slow
 def test_subscription_backfills_what_was_logged_before_it(client):
     topic = f"dask-ddp-test-{uuid.uuid4().hex[:8]}"
     for seq in (0, 1):

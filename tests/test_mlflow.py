@@ -37,6 +37,7 @@ def store(tmp_path, monkeypatch):
     return (tmp_path / "mlruns").as_uri()
 
 
+@pytest.mark.slow
 def test_one_mlflow_run_per_job_with_its_params_once_and_every_metric_per_rank_and_step(client, store):
     sink = dask_ddp.MLflowSink(store, experiment="ddp-test", params={"dataset": "digits"})
     job = run(client, train, STEPS, lr=0.1, max_restarts=1, callbacks=[sink], name="mlflow-job")

@@ -39,6 +39,7 @@ def _where_rank_listens():
     return out | {"sum": t.item()}
 
 
+@pytest.mark.slow
 def test_the_store_listens_on_the_workers_address_only_and_collectives_use_its_interface(client):
     job = run(client, _where_rank_listens)
     got = job.result(timeout=120)
@@ -69,6 +70,7 @@ def test_a_master_addr_that_is_not_rank_0s_fails_fast_naming_it(client):
     assert took < 60
 
 
+@pytest.mark.slow
 def test_a_store_nobody_listens_on_gives_a_rendezvous_error_in_the_rendezvous_timeout():
     """Rank 1's side, against a port of 127.0.0.1 that is bound but not listening (refused, like a firewall's
     REJECT): RendezvousError naming address and port after ddp.rendezvous-timeout, not the collective timeout."""

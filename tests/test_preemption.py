@@ -72,7 +72,8 @@ def steps_of(job, rank=0):
     return sorted(m[m["rank"] == rank]["step"])
 
 
-@pytest.mark.parametrize("register", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("register", [True, False])
+@pytest.mark.slow
 def test_retire_workers_saves_and_resumes_on_the_worker_left(tmp_path, register):
     """register: dask-ddp saves what on_preemption registered; else the code polls preempted() and saves."""
     with local_client(2) as c:
@@ -310,7 +311,7 @@ time.sleep(0.5)
 """
 
 
-@pytest.mark.parametrize("release", [True, False])
+@pytest.mark.parametrize("release", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_finished_job_lets_its_notice_watchers_go_before_the_store_closes(release):
     """Every rank's notice watcher blocks in a store wait; a store closed under it made torch print a warning
     with a C++ stack trace into the rank's output (seen at the end of 8-rank jobs). release() wakes it first."""

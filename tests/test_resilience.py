@@ -59,6 +59,7 @@ def detection_time(job):
     return job.history[-1][0] - job.metrics["at"].dropna().iloc[0]
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_rank_process(client):
     job = run(client, kill_own_process)
     with pytest.raises(dask_ddp.RankFailedError, match=r"rank 1 on worker tcp://\S+ was killed by signal SIGKILL"):
@@ -184,7 +185,8 @@ def _closed_worker(client):
     assert leftover_processes(client) == []
 
 
-@pytest.mark.parametrize("inside_collective", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("inside_collective", [False, True])
+@pytest.mark.slow
 def test_stall_dumps_every_rank_stack(client, inside_collective):
     client.wait_for_workers(2, timeout=60)
 

@@ -85,6 +85,7 @@ def _steady(items, rank, skip=2):
     return mine[skip:]
 
 
+@pytest.mark.slow
 def test_telemetry_fields_and_known_input_wait(client):
     """A loader sleeping 0.1 s per batch on every rank: input wait is most of each step, on both ranks."""
     seen = Seen()
@@ -183,6 +184,7 @@ def _straggler_job(client, caplog, **slow):
 
 
 @pytest.mark.parametrize("where", ["input", "compute"])
+@pytest.mark.slow
 def test_slow_rank_is_named_with_its_cause(client, caplog, where):
     kwargs = {"input_sleep": {1: STEP_INPUT}} if where == "input" else {"compute_sleep": {1: STEP_COMPUTE}}
     job, seen = _straggler_job(client, caplog, **kwargs)
@@ -200,6 +202,7 @@ def test_slow_rank_is_named_with_its_cause(client, caplog, where):
     assert "straggler" in job._repr_html_()
 
 
+@pytest.mark.slow
 def test_uniformly_slow_job_names_nobody(client, caplog):
     job, seen = _straggler_job(client, caplog, compute_sleep={0: STEP_COMPUTE, 1: STEP_COMPUTE})
     assert seen.stragglers == []
