@@ -44,7 +44,6 @@ Everything listens on 127.0.0.1. Each dask-ddp case gets a fresh cluster with wa
 from __future__ import annotations
 
 import argparse
-import glob
 import inspect
 import json
 import os
@@ -58,6 +57,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # _cluster.CliWorkers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _cluster import CliWorkers  # noqa: E402 - after the paths above
+from bench_faults import alive, read_log  # noqa: E402 - the ranks' JSON lines, a live pid
 
 BASE_ENV = dict(os.environ)  # before any LocalCluster writes the Nanny's environment into it
 
@@ -146,28 +150,20 @@ if __name__ == "__main__":
 
 # ---- reading the ranks' logs -------------------------------------------------------------------------------------
 
-def read_log(log_dir: str, launcher: str) -> list[dict]:
-    out = []
-    for path in glob.glob(os.path.join(log_dir, f"{launcher}-*.jsonl")):
-        with open(path) as f:
-            out += [json.loads(line) for line in f if line.strip()]
-    return sorted(out, key=lambda e: e["t"])
-
-
 def steps(events, attempt=None):
     return [e for e in events if e["ev"] == "step" and (attempt is None or e["attempt"] == attempt)]
 
 
-def wait_for_step(log_dir, launcher, step, timeout=180):
+def wait_for_step(log_dir, step, timeout=180):
     """Wait until every rank of the first attempt logged ``step``."""
     end = time.time() + timeout
     while time.time() < end:
-        ev = steps(read_log(log_dir, launcher), 0)
+        ev = steps(read_log(log_dir), 0)
         ranks = {e["rank"] for e in ev if e["step"] >= step}
         if ranks and len(ranks) == ev[0]["world"]:
             return
         time.sleep(0.02)
-    raise TimeoutError(f"{launcher}: step {step} not reached in {timeout} s")
+    raise TimeoutError(f"{log_dir}: step {step} not reached in {timeout} s")
 
 
 def coverage(events) -> str:
@@ -190,30 +186,6 @@ def lost_and_first(events, t0, resumed_attempt=1):
 
 
 # ---- dask-ddp ---------------------------------------------------------------------------------------------------
-
-class CliWorkers:
-    """``dask worker`` processes started from the command line (as a pod runs them), each with its Nanny."""
-
-    def __init__(self, scheduler: str):
-        self.scheduler, self.procs = scheduler, {}
-
-    def start(self, name: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler, "--name", name, "--nthreads",
-               "1", "--host", "127.0.0.1", "--no-dashboard", "--nanny"]
-        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                            start_new_session=True)
-        return self.procs[name]
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-
 
 def history_figures(job) -> dict:
     """Notice to commit, the save's own time and the steps lost, as ``job.history`` states them."""
@@ -246,7 +218,7 @@ def dask_ddp_case(args, case: str, root: str) -> dict:
                 client.wait_for_workers(2, timeout=120)
             dispatch.warm_up(client)
             job = dispatch.run(client, train, **kw, checkpoint_dir=ckpt, workers=bounds)
-            wait_for_step(log_dir, "dask-ddp", args.fault_step)
+            wait_for_step(log_dir, args.fault_step)
             victim = job.plan.addresses[1]
             t0 = time.time()
             if case == "SIGTERM to a worker":
@@ -263,7 +235,7 @@ def dask_ddp_case(args, case: str, root: str) -> dict:
                     time.sleep(0.05)
                 t0 = time.time()  # growth counts from the moment the worker is there
             job.result(timeout=600)
-            events = read_log(log_dir, "dask-ddp")
+            events = read_log(log_dir)
             lost, first, resume = lost_and_first(events, t0)
             out = dict(case=case, lost=lost, first=first, resume=resume, coverage=coverage(events),
                        world=sorted({e["world"] for e in steps(events, 1)}), **history_figures(job))
@@ -283,15 +255,6 @@ def torchrun(script: str, kw: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def torchrun_case(args, how: str, root: str, script: str) -> dict:
     log_dir, ckpt = os.path.join(root, f"torchrun-{how}", "log"), os.path.join(root, f"torchrun-{how}", "ckpt")
     os.makedirs(log_dir)
@@ -301,8 +264,8 @@ def torchrun_case(args, how: str, root: str, script: str) -> dict:
               log_dir=log_dir, ckpt_dir=ckpt, launcher="torchrun", on_sigterm=how)
     proc = torchrun(script, kw)
     try:
-        wait_for_step(log_dir, "torchrun", args.fault_step)
-        pids = {e["pid"] for e in read_log(log_dir, "torchrun")}
+        wait_for_step(log_dir, args.fault_step)
+        pids = {e["pid"] for e in read_log(log_dir)}
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)  # what Kubernetes does to a pod's main process
         gone = None
@@ -318,7 +281,7 @@ def torchrun_case(args, how: str, root: str, script: str) -> dict:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    events = read_log(log_dir, "torchrun")
+    events = read_log(log_dir)
     top = max(e["step"] for e in steps(events, 0))
     saved = None
     if os.path.exists(os.path.join(ckpt, "latest.pt")):
@@ -332,7 +295,7 @@ def torchrun_case(args, how: str, root: str, script: str) -> dict:
     if how == "default":  # start it again at once, as a Job controller would, and time its first step
         again = torchrun(script, {**kw, "attempt": 1})
         again.wait(600)
-        events = read_log(log_dir, "torchrun")
+        events = read_log(log_dir)
         lost, first, resume = lost_and_first(events, t0)
         out.update(lost=lost, first=first, resume=resume, coverage=coverage(events), relaunch_code=again.returncode)
     print(out["case"], out, flush=True)

@@ -1,9 +1,13 @@
-"""Helpers for tests on real Dask clusters: cluster builders, a job runner, polling, leftover-process checks."""
+"""Helpers for tests on real Dask clusters: cluster builders, a job runner, polling, leftover-process checks,
+``dask worker`` processes started from the command line (also used by benchmarks/bench_preemption.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -125,3 +129,36 @@ def first_step_after_restart(job) -> float:
     """When the first step of the job's last attempt was reported (``at``, the rank's clock)."""
     m = job.metrics
     return float(m.loc[m["attempt"] == m["attempt"].max(), "at"].min())
+
+
+class CliWorkers:
+    """``dask worker`` processes started from the command line (as a pod runs them), each with its Nanny."""
+
+    def __init__(self, scheduler: str):
+        self.scheduler, self.procs = scheduler, {}
+
+    def start(self, name: str, **env) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler, "--name", name, "--nthreads",
+               "1", "--host", "127.0.0.1", "--no-dashboard", "--nanny"]
+        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True)
+        return self.procs[name]
+
+    def descendants(self) -> list:
+        out = []
+        for proc in self.procs.values():
+            try:
+                out += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ import dask_ddp
 from dask_ddp import elastic
 from dask_ddp.outcome import RankOutcome, Status
 
-from _cluster import leftover_processes, local_client, run, wait_until
+from _cluster import CliWorkers, leftover_processes, local_client, run, wait_until
 
 
 def train_steps(n_steps, pause=0.05, every=None, register=True, slow_save=0.0):
@@ -67,6 +67,16 @@ def states(job):
     return [h[2] for h in job.history]
 
 
+def saved_restart(job, kind="preempted") -> str:
+    """The cause of the job's one restart, checked: it went RUNNING, RESTARTING, RUNNING, FINISHED, for a
+    ``kind`` ("preempted" or "grew") that lost no step."""
+    assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+    cause = job.history[1][3]
+    print("history:", cause)
+    assert cause.startswith(f"{kind}:") and "0 steps lost" in cause, cause
+    return cause
+
+
 def steps_of(job, rank=0):
     m = job.metrics
     return sorted(m[m["rank"] == rank]["step"])
@@ -82,48 +92,10 @@ def test_retire_workers_saves_and_resumes_on_the_worker_left(tmp_path, register)
         victim = job.plan.addresses[1]
         c.retire_workers([victim])
         values = job.result(timeout=180)
-        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
-        cause = job.history[1][3]
-        print("history:", cause)
-        assert cause.startswith("preempted:") and "0 steps lost" in cause and victim in cause
+        assert victim in saved_restart(job)
         assert len(values) == 1 and victim not in job.plan.addresses
         assert steps_of(job, 0) == list(range(60)), "steps were lost or repeated"
         assert leftover_processes(c) == []
-
-
-class CliWorkers:
-    """``dask worker`` processes started from the command line (as a pod runs them), each with its Nanny."""
-
-    def __init__(self, scheduler: str):
-        self.scheduler, self.procs = scheduler, {}
-
-    def start(self, name: str, **env) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler, "--name", name, "--nthreads",
-               "1", "--host", "127.0.0.1", "--no-dashboard", "--nanny"]
-        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, start_new_session=True)
-        return self.procs[name]
-
-    def descendants(self) -> list:
-        import psutil
-
-        out = []
-        for proc in self.procs.values():
-            try:
-                out += psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -161,10 +133,8 @@ def test_sigterm_to_a_dask_worker_process_loses_no_step(cli_cluster, tmp_path):
     workers.start("c")  # the replacement
     resumed = job.result(timeout=300)
     assert victim.wait(60) is not None
-    assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
-    cause = job.history[1][3]
-    print(f"SIGTERM: {cause}; restarted {job.history[2][0] - t0:.2f} s after the signal")
-    assert cause.startswith("preempted:") and "0 steps lost" in cause
+    saved_restart(job)
+    print(f"SIGTERM: restarted {job.history[2][0] - t0:.2f} s after the signal")
     assert all(torch.equal(a, b) for a, b in zip(clean, resumed)), "resumed training differs from the clean run"
     assert steps_of(job, 0) == list(range(50)) and steps_of(job, 1) == list(range(50))
     assert leftover_processes(client) == []
@@ -177,9 +147,7 @@ def test_scale_down_saves_and_resumes_on_the_worker_left(tmp_path):
         wait_until(lambda: len(job.metrics) >= 20, 120, what="20 reports")
         c.cluster.scale(1)
         values = job.result(timeout=180)
-        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
-        print("history:", job.history[1][3])
-        assert job.history[1][3].startswith("preempted:") and "0 steps lost" in job.history[1][3]
+        saved_restart(job)
         assert len(values) == 1
         assert steps_of(job, 0) == list(range(60)), "steps were lost or repeated"
         assert leftover_processes(c) == []
@@ -216,9 +184,7 @@ def test_an_elastic_job_grows_when_a_worker_joins(tmp_path):
                    what="the third worker")
         joined = time.time()
         values = job.result(timeout=300)
-        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
-        print("history:", job.history[1][3])
-        assert job.history[1][3].startswith("grew:") and "0 steps lost" in job.history[1][3]
+        saved_restart(job, "grew")
         m = job.metrics
         first_wide = m[(m["attempt"] == 1)]["t"].min()
         took, saved = first_wide - joined, job.history[1][0] - joined
@@ -287,10 +253,8 @@ def test_sigterm_to_a_rank_process_takes_part_in_the_save(tmp_path):
         [pid] = rank_process_pids(c)[job.plan.addresses[1]]["running"]
         os.kill(pid, signal.SIGTERM)
         resumed = job.result(timeout=300)
-        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
-        cause = job.history[1][3]
-        print("history:", cause)
-        assert "rank 1's process" in cause and "received SIGTERM" in cause and "0 steps lost" in cause
+        cause = saved_restart(job)
+        assert "rank 1's process" in cause and "received SIGTERM" in cause
         assert all(torch.equal(a, b) for a, b in zip(clean, resumed)), "resumed training differs from the clean run"
         assert leftover_processes(c) == []
 
