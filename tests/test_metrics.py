@@ -341,16 +341,22 @@ def steady(seconds):
         time.sleep(0.005)
 
 
-@pytest.mark.slow
-def test_a_large_job_flushes_less_often_so_its_batch_rate_is_bounded(client):
-    """ddp.events.max-batches-per-second bounds the batches a whole job sends the scheduler: here 0.5 a second for
-    2 ranks, so each rank flushes every 4 s instead of every 0.25 s. Every report still arrives."""
-    seconds = 5.0
-    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": 0.5}):
+def batches_of_a_steady_job(client, bound, seconds=5.0):
+    """A 2-rank job reporting every 5 ms for ``seconds``, flushing every 0.25 s, at most ``bound`` batches a
+    second in all: the job, and the batches each rank sent."""
+    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": bound}):
         job = dispatch.run(client, steady, seconds, progress=False)
     job.result(timeout=120)
     batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}
     print(f"batches per rank in {seconds} s of reports: {batches}")
+    return job, batches
+
+
+@pytest.mark.slow
+def test_a_large_job_flushes_less_often_so_its_batch_rate_is_bounded(client):
+    """ddp.events.max-batches-per-second bounds the batches a whole job sends the scheduler: here 0.5 a second for
+    2 ranks, so each rank flushes every 4 s instead of every 0.25 s. Every report still arrives."""
+    job, batches = batches_of_a_steady_job(client, 0.5)
     # at once, one 4 s later, the final flush, and one spare for a log line: 20 without the bound
     assert all(b <= 4 for b in batches.values()), batches
     assert all(n > 300 for n in job.metrics.groupby("rank").size()), job.metrics.groupby("rank").size()
@@ -378,12 +384,7 @@ def test_flush_interval_for_world_sizes():
 def test_past_the_bound_rank_0_keeps_its_interval_and_the_others_flush_less(client):
     """4.2 batches a second for 2 ranks flushing every 0.25 s: rank 0 keeps 0.25 s (4 a second), rank 1 gets
     what is left, one batch every 5 s. (The uniform rule gave both one every 0.48 s: about 11 in 5 s.)"""
-    seconds = 5.0
-    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": 4.2}):
-        job = dispatch.run(client, steady, seconds, progress=False)
-    job.result(timeout=120)
-    batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}
-    print(f"batches per rank in {seconds} s of reports: {batches}")
+    job, batches = batches_of_a_steady_job(client, 4.2)
     assert batches[0] >= 15, batches  # about 20 at 0.25 s
     assert batches[1] <= 4, batches  # at once, maybe at 5 s, the final flush, one spare
     assert all(n > 300 for n in job.metrics.groupby("rank").size()), job.metrics.groupby("rank").size()
