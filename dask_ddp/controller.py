@@ -25,7 +25,7 @@ from typing import Any, Callable
 import cloudpickle
 import dask
 
-from . import elastic, policy
+from . import elastic, policy, preemption
 from . import plan as planning
 from .dashboard import jobs as dashboard_jobs
 from .errors import DaskDDPError, JobCancelledError, StallError
@@ -108,7 +108,7 @@ class Controller:
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
-        self.grace = float(dask.config.get("ddp.preemption.grace-period", 25))
+        self.grace = preemption.grace_period()
         bounds = planning.elastic_bounds(spec.workers)
         self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
         self._next_grow = 0.0

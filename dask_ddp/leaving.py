@@ -22,9 +22,10 @@ import logging
 import time
 import weakref
 
-import dask
 from distributed.diagnostics.plugin import NannyPlugin
 from distributed.protocol import pickle
+
+from .preemption import grace_period
 
 __all__ = ["drain", "LeaveGracefully", "register", "notify", "grace_period"]
 
@@ -33,11 +34,6 @@ logger = logging.getLogger("dask_ddp")
 NAME = "dask-ddp-leave"
 RANK_HOST = "dask-ddp"  # the name of the workers' RankHost plugin (dask_ddp.plugin, which imports this module)
 _registered: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def grace_period() -> float:
-    """``ddp.preemption.grace-period`` (seconds), as this process's config says."""
-    return float(dask.config.get("ddp.preemption.grace-period", 25))
 
 
 async def drain(host, cause: str, grace: float | None = None) -> int:

@@ -84,6 +84,14 @@ _POLLED = False  # the code called preempted(): it saves by itself
 _WATCHER: threading.Thread | None = None  # this rank's watcher of the notice key
 
 
+def grace_period() -> float:
+    """``ddp.preemption.grace-period`` (seconds), as this process's config says: how long a leaving worker waits
+    for its ranks' save, and what a rank process that receives SIGTERM gives the job."""
+    import dask
+
+    return float(dask.config.get("ddp.preemption.grace-period", 25))
+
+
 def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
     """Register what to save when this job is preempted: ``state()`` returns the dict to save.
 

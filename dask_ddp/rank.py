@@ -145,7 +145,7 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
                                 device_id=device if backend == "nccl" else None)  # nccl: collectives on it
         _join(store, world_size)
         preemption.start(store, task.master_addr, int(os.environ["MASTER_PORT"]), rank, world_size, chan.send,
-                         _grace_period(), worker)
+                         preemption.grace_period(), worker)
         context._set_context(context.Context(
             rank=rank, local_rank=spec.local_rank, world_size=world_size,
             local_world_size=spec.local_world_size, node_rank=spec.node_rank, num_nodes=spec.num_nodes,
@@ -168,13 +168,6 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     chan.send(message)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _grace_period() -> float:
-    """``ddp.preemption.grace-period``: how long a rank process that receives SIGTERM gives the job to save."""
-    import dask
-
-    return float(dask.config.get("ddp.preemption.grace-period", 25))
 
 
 def _open_store(chan: _Channel, task: RankTask, master_port: int | None):
