@@ -306,6 +306,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         flush_interval=_number("ddp.events.flush-interval", cfg["events"]["flush-interval"], minimum=0.001),
         max_batches_per_second=_number("ddp.events.max-batches-per-second", cfg["events"]["max-batches-per-second"],
                                        allow_none=True),
+        events_per_host=_per_host(cfg["events"].get("per-host", "auto")),
         restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
         stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
                               minimum=0.1, allow_none=True),
@@ -313,6 +314,18 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
         echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
         **_telemetry(cfg["telemetry"]))
+
+
+def _per_host(value) -> bool | str:
+    """``ddp.events.per-host``: auto, true or false (the strings too, as an environment variable gives them)."""
+    text = str(value).strip().lower()
+    if value is True or text in ("true", "yes", "1"):
+        return True
+    if value is False or text in ("false", "no", "0"):
+        return False
+    if text == "auto":
+        return "auto"
+    raise PlanError(f"ddp.events.per-host={value!r}: expected auto, true or false")
 
 
 def _telemetry(cfg: dict) -> dict:

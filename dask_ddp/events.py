@@ -9,11 +9,13 @@ Worker side, :class:`Relay` publishes one event per batch
 (the rank sends one at most every ``ddp.events.flush-interval``), with any
 output lines gathered meanwhile; output lines alone at the same pace. Each batch
 costs about 2 ms of CPU across the rank, worker, scheduler and client, whatever
-its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``). Client
-side, :class:`TopicFeed` subscribes before the ranks start and backfills once
-with ``get_events`` (subscribing does not replay the past); :class:`EventOrder`
-drops batches already seen, keyed by (attempt, rank, seq), and puts each rank's
-in the order it sent them. Handlers of
+its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``); in a job
+that aggregates per host the Relay hands its batches to the host's hub instead
+(:mod:`dask_ddp.hub`), which publishes several ranks' batches as one event. Client
+side, :class:`TopicFeed` subscribes before the ranks start, backfills once
+with ``get_events`` (subscribing does not replay the past) and unpacks hub
+events into rank batches; :class:`EventOrder` drops batches already seen, keyed
+by (attempt, rank, seq), and puts each rank's in the order it sent them. Handlers of
 ``subscribe_topic`` run on the client's event loop, so they only enqueue.
 
 Dask allows one handler per topic and client; :class:`WorkerWatch` shares the
@@ -22,6 +24,7 @@ scheduler's ``"all"`` topic (which reports ``remove-worker``) among jobs.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -31,11 +34,12 @@ from typing import Callable
 import dask
 import msgpack
 
+from .hub import forward, item_size, unpack
 from .reporting import INT_MAX, INT_MIN, TICK, clip_line, safe_text
 
+logger = logging.getLogger("dask_ddp")
+
 __all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
-
-
 
 def wire_safe(msg) -> bool:
     """Whether ``msg`` encodes as Dask's batched stream does (msgpack): Dask's own check lets more through."""
@@ -61,20 +65,21 @@ def escaped(value):
     return safe_text(repr(value))
 
 
-def _size(item: dict) -> int:
-    return 16 + sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in item.items())
 
 
 class Relay:
     """Collects one rank's events on the worker and publishes them in batches (thread-safe)."""
 
-    def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None):
+    def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None,
+                 via: str | None = None, hub_interval: float = 1.0):
         self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
+        self.via, self.hub_interval = via, hub_interval  # the worker whose hub publishes for this host (dask_ddp.hub)
         self.seq = -1
         self._items: list[dict] = []
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.interval = dask.config.get("ddp.events.flush-interval") if interval is None else interval
         self.max_bytes = dask.config.get("ddp.events.max-batch-bytes")
@@ -85,11 +90,15 @@ class Relay:
                       "stream": stream, "line": clip_line(line)}])
 
     def extend(self, items: list[dict], now: bool = False) -> None:
-        """Queue ``items``; ``now``: publish them (and the lines queued before) at once, as one batch."""
+        """Queue ``items``; ``now``: publish them (and the lines queued before) at once, as one batch; through a
+        hub, hand them to it from the relay's thread at once (the hub publishes them on its own schedule)."""
         with self._lock:
             self._items.extend(items)
         if now:
-            self.flush()
+            if self.via is None:
+                self.flush()
+            else:  # a forward waits for the hub's publication: not in the caller's thread (the supervisor's)
+                self._wake.set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dask-ddp-relay", daemon=True)
@@ -98,35 +107,54 @@ class Relay:
     def _loop(self) -> None:
         # Output lines go within a tick after a quiet spell, else with the next rank batch or an interval after
         # the last batch: a rank printing every step adds no more than one batch per interval
-        while not self._stop.wait(min(TICK, self.interval)):
-            if self._items and time.monotonic() - self._published >= self.interval:
-                self.flush()
+        while not self._stop.is_set():
+            woken = self._wake.wait(min(TICK, self.interval))
+            self._wake.clear()
+            if not self._stop.is_set() and self._items and (woken or time.monotonic() - self._published
+                                                            >= self.interval):
+                self.flush(now=False)
 
-    def flush(self) -> None:
+    def flush(self, now: bool = True) -> None:
+        """Publish what is queued (through the host's hub, if any; ``now``: it publishes at once too)."""
         with self._publish_lock:  # one publisher at a time keeps seq in order
             with self._lock:
                 items, self._items = self._items, []
-            batch, size = [], 0
+            msgs, batch, size = [], [], 0
             for item in items:
-                item_size = _size(item)
-                if batch and size + item_size > self.max_bytes:
-                    self._publish(batch)
+                size_of = item_size(item)
+                if batch and size + size_of > self.max_bytes:
+                    msgs.append(self._message(batch))
                     batch, size = [], 0
                 batch.append(item)
-                size += item_size
+                size += size_of
             if batch:
-                self._publish(batch)
+                msgs.append(self._message(batch))
+            if msgs:
+                self._published = time.monotonic()
+                self._publish(msgs, now)
 
-    def _publish(self, batch: list[dict]) -> None:
-        self._published = time.monotonic()
+    def _message(self, batch: list[dict]) -> dict:
         self.seq += 1
         msg = {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq, "items": batch}
         if not wire_safe(msg):  # the last guard: a message msgpack refuses would cost the worker its scheduler
             msg = escaped(msg)
-        self.worker.log_event(self.topic, msg)
+        return msg
+
+    def _publish(self, msgs: list[dict], now: bool) -> None:
+        if self.via is not None:
+            try:
+                return forward(self.worker, self.via, self.topic, self.run_id, self.hub_interval, msgs, now)
+            except Exception as exc:  # noqa: BLE001 - the hub's worker is gone or stuck: publish ourselves
+                logger.warning("rank %s: the event hub on worker %s did not take its batches (%r); this worker "
+                               "publishes them itself from now on", self.rank, self.via, exc)
+                self.via = None
+        for msg in msgs:
+            self.worker.log_event(self.topic, msg)
 
     def stop(self) -> None:
+        """Stop the relay's thread and publish what is left (through a hub: it publishes at once)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.flush()
@@ -200,7 +228,8 @@ class TopicFeed:
         client.subscribe_topic(topic, self._on_event)
 
     def _on_event(self, event) -> None:  # runs on the client's event loop: enqueue only
-        self.queue.put(event[1])
+        for batch in unpack(event[1]):  # a host's hub sends several ranks' batches in one event
+            self.queue.put(batch)
 
     def get(self, wait: float) -> list[dict]:
         """What arrived, waiting up to ``wait`` seconds for the first message."""
@@ -216,7 +245,7 @@ class TopicFeed:
 
     def backfill(self) -> list[dict]:
         """What the scheduler holds for the topic (``get_events``)."""
-        return [msg for _, msg in self.client.get_events(self.topic)]
+        return [batch for _, msg in self.client.get_events(self.topic) for batch in unpack(msg)]
 
     def close(self, drop: bool = True) -> None:
         """Stop listening; with ``drop``, remove the topic and what it holds from the scheduler too.

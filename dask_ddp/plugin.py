@@ -27,6 +27,7 @@ import dask
 from distributed import WorkerPlugin
 from distributed.core import Status
 
+from .hub import HANDLER, Hubs
 from .leaving import RANK_HOST, drain
 from .leaving import register as leave_gracefully
 from .process import RankProcess, Zygote, sweep_tmp_roots, worker_tmp_root
@@ -177,6 +178,8 @@ class RankHost(WorkerPlugin):
         self.launcher = Launcher()
         self.active: dict[tuple[str, int], Supervisor] = {}  # (attempt id, rank) -> supervisor
         self._lock = threading.Lock()
+        self.hubs = Hubs(worker, dask.config.get("ddp.events.max-batch-bytes"))
+        worker.handlers[HANDLER] = self.hubs.receive  # the ranks of this host may send their event batches here
         sweep_tmp_roots()  # what a killed worker's ranks left in the temp folder
 
     async def teardown(self, worker) -> None:
@@ -186,6 +189,7 @@ class RankHost(WorkerPlugin):
             await drain(self, f"worker {getattr(worker, 'address', '?')} is closing (retire_workers, a scale-down "
                               "or close)")
         self.launcher.close()
+        self.hubs.close()
         if getattr(worker, "status", None) in _CLOSING:
             for sup in self.running():
                 sup.stop("its Dask worker is closing")

@@ -33,6 +33,7 @@ class LaunchSpec:
     poll_interval: float = 0.25
     flush_interval: float = 1.0
     max_batches_per_second: float | None = 60  # the job's event batches, all ranks (task.flush_interval_for)
+    events_per_host: bool | str = "auto"  # publish through a hub per host (task.hub_plan, ddp.events.per-host)
     telemetry_interval: float | None = 1.0  # None: no telemetry (ddp.telemetry.enabled: false)
     straggler_window: float | None = 30.0  # seconds one rank must be the cause before it is named; None: off
     stall_timeout: float | None = None

@@ -55,7 +55,8 @@ class Supervisor:
         self.key = worker.get_current_task()
         self.host = RankHost.of(worker)
         self.abort = Event(task.abort_event)
-        self.relay = Relay(worker, task.topic, self.rank, task.attempt, task.attempt_id, task.flush_interval)
+        self.relay = Relay(worker, task.topic, self.rank, task.attempt, task.attempt_id, task.flush_interval,
+                           task.via, task.hub_interval)
         self.child: RankProcess | None = None
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()

@@ -344,7 +344,8 @@ def steady(seconds):
 def batches_of_a_steady_job(client, bound, seconds=5.0):
     """A 2-rank job reporting every 5 ms for ``seconds``, flushing every 0.25 s, at most ``bound`` batches a
     second in all: the job, and the batches each rank sent."""
-    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": bound}):
+    with dask.config.set({"ddp.events.flush-interval": 0.25, "ddp.events.max-batches-per-second": bound,
+                          "ddp.events.per-host": False}):  # the rule without hubs (test_hub.py: with)
         job = dispatch.run(client, steady, seconds, progress=False)
     job.result(timeout=120)
     batches = {o.rank: o.last_seq + 1 for o in job.attempt.outcomes.values()}
