@@ -64,7 +64,14 @@ def _batch(rank: int, seq: int) -> dict:
     return {"run": "bench", "rank": rank, "attempt": 0, "seq": seq, "items": items}
 
 
-def _sender_process(address: str, topic: str, first_rank: int, n: int, control: str) -> None:
+def _event(sender: int, seq: int, per_event: int) -> dict:
+    """One sender's event: a rank's batch, or (``per_event`` > 1) a host hub's, with that many ranks' batches."""
+    if per_event == 1:
+        return _batch(sender, seq)
+    return {"run": "bench", "batches": [_batch(sender * per_event + k, seq) for k in range(per_event)]}
+
+
+def _sender_process(address: str, topic: str, first_rank: int, n: int, control: str, per_event: int = 1) -> None:
     """Run ``n`` workers; publish while the file ``control`` holds an interval > 0; exit when it is gone."""
     from distributed import Worker
 
@@ -81,7 +88,7 @@ def _sender_process(address: str, topic: str, first_rank: int, n: int, control: 
                 continue
             start = time.monotonic()
             for i, w in enumerate(workers):  # spread over the interval, as independent ranks would be
-                w.log_event(topic, _batch(first_rank + i, seqs[i]))
+                w.log_event(topic, _event(first_rank + i, seqs[i], per_event))
                 seqs[i] += 1
                 await asyncio.sleep(interval / n)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
@@ -95,14 +102,18 @@ def _cpu(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: float, interval: float) -> dict:
+def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: float, interval: float,
+            per_event: int = 1) -> dict:
+    """Scheduler and client CPU for ``n`` senders each publishing an event of ``per_event`` rank batches every
+    ``interval`` s (the client's feed unpacks hub events: it counts rank batches)."""
     from dask_ddp.events import TopicFeed
 
-    topic = f"ddp-bench-{n}-{int(interval * 1000)}"
+    topic = f"ddp-bench-{n}-{int(interval * 1000)}-{per_event}"
     control = tempfile.mktemp(prefix="ddp-bench-ctl-")
     Path(control).write_text("0")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_sender_process, args=(address, topic, i, min(PER_PROCESS, n - i), control))
+    procs = [ctx.Process(target=_sender_process, args=(address, topic, i, min(PER_PROCESS, n - i), control,
+                                                       per_event))
              for i in range(0, n, PER_PROCESS)]
     before = len(client.scheduler_info(n_workers=-1)["workers"])
     for p in procs:
@@ -131,23 +142,35 @@ def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: fl
         for p in procs:
             p.join(60)
         feed.close()
-    rate = got / elapsed
+    rate = got / elapsed / per_event  # events a second
     delays.sort()
-    return {"n": n, "interval": interval, "idle": idle, "sending": sending, "rate": rate,
+    return {"n": n, "interval": interval, "per_event": per_event, "idle": idle, "sending": sending, "rate": rate,
             "per_batch_ms": (sending - idle) / rate * 1e3 if rate else float("nan"),
             "client_per_batch_ms": client_cpu / rate * 1e3 if rate else float("nan"),
             "p95_delay": delays[int(len(delays) * 0.95)] if delays else float("nan")}
+
+
+def _hub_interval(hosts: int, per_host: int, flush: float, budget: float) -> float:
+    """What dask-ddp's rule (task.hub_plan) gives the hubs other than rank 0's: a synthetic plan of that shape."""
+    from dask_ddp.plan import WorkerInfo, make_plan
+    from dask_ddp.task import hub_plan
+
+    plan = make_plan([WorkerInfo(f"tcp://10.0.{h // 250}.{h % 250 + 1}:{4000 + w}", f"10.0.{h // 250}.{h % 250 + 1}",
+                                 4000 + w, f"h{h}-{w}") for h in range(hosts) for w in range(per_host)])
+    return hub_plan(plan, flush, budget, per_host=True)[plan.world_size - 1][1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--senders", default="50,100,200,400")
     parser.add_argument("--seconds", type=float, default=12)
+    parser.add_argument("--hub-senders", type=int, default=100, help="hub senders in the 1 s hub row")
+    parser.add_argument("--ranks-per-host", type=int, default=8, help="rank batches in a hub's event")
     parser.add_argument("--out", default="benchmarks/RESULTS_events_scale.md")
     args = parser.parse_args()
     from distributed import Client
 
-    from dask_ddp.task import flush_interval_for
+    from dask_ddp.task import HUB_COST_PER_RANK, flush_interval_for
 
     port = 40000 + os.getpid() % 20000
     sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
@@ -155,6 +178,9 @@ def main() -> None:
                              stderr=subprocess.DEVNULL)
     address = f"tcp://127.0.0.1:{port}"
     rows = []
+    flush = dask.config.get("ddp.events.flush-interval")
+    budget = dask.config.get("ddp.events.max-batches-per-second")
+    hosts = 1000 // args.ranks_per_host
     try:
         with Client(address, timeout=60) as client:
             scheduler = psutil.Process(sched.pid)
@@ -162,43 +188,63 @@ def main() -> None:
             for n in sizes:
                 rows.append(measure(client, scheduler, address, n, args.seconds, 1.0))
                 print(rows[-1], flush=True)
-            sized = flush_interval_for(1000, dask.config.get("ddp.events.flush-interval"),
-                                       dask.config.get("ddp.events.max-batches-per-second"), rank=1)
+            sized = flush_interval_for(1000, flush, budget, rank=1)
             rows.append(measure(client, scheduler, address, sizes[-1], args.seconds, sized))
+            print(rows[-1], flush=True)
+            # hubs (ddp.events.per-host): one event a host, with its ranks' batches
+            rows.append(measure(client, scheduler, address, args.hub_senders, args.seconds, 1.0, args.ranks_per_host))
+            print(rows[-1], flush=True)
+            hub_interval = _hub_interval(hosts, args.ranks_per_host, flush, budget)
+            rows.append(measure(client, scheduler, address, hosts, args.seconds, hub_interval, args.ranks_per_host))
             print(rows[-1], flush=True)
     finally:
         sched.terminate()
         sched.wait(30)
     for r in rows:  # on a loaded machine the sender processes may not keep up: such a row measures little
         r["starved"] = r["rate"] < 0.8 * r["n"] / r["interval"]
-    valid = [r["per_batch_ms"] for r in rows[:-1] if not r["starved"]] or [r["per_batch_ms"] for r in rows[:-1]]
+    plain = rows[:len(sizes)]
+    valid = [r["per_batch_ms"] for r in plain if not r["starved"]] or [r["per_batch_ms"] for r in plain]
     per_batch = sorted(valid)[len(valid) // 2]
-    budget = dask.config.get("ddp.events.max-batches-per-second")
     lines = [
         "# The event path at many ranks", "",
-        f"`python benchmarks/bench_events_scale.py --senders {args.senders} --seconds {args.seconds:g}` on "
+        f"`python benchmarks/bench_events_scale.py --senders {args.senders} --seconds {args.seconds:g} "
+        f"--hub-senders {args.hub_senders} --ranks-per-host {args.ranks_per_host}` on "
         f"{platform.node()} ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end), "
         f"{time.strftime('%Y-%m-%d')}. A `dask scheduler` "
-        "process, N real Dask workers (50 a process) each publishing one rank-shaped batch (5 reports, a telemetry "
-        "item, 2 log lines) per interval with `worker.log_event`, this process's client subscribed through "
-        "`TopicFeed`. Scheduler CPU in % of one core (psutil), idle = the same workers connected, sending nothing.",
+        "process, N real Dask workers (50 a process) each publishing one event per interval with "
+        "`worker.log_event`: a rank-shaped batch (5 reports, a telemetry item, 2 log lines, about 1.5 KiB), or, "
+        f"in the hub rows, a host hub's event holding {args.ranks_per_host} such batches (`ddp.events.per-host`); "
+        "this process's client subscribed through `TopicFeed`. Scheduler CPU in % of one core (psutil), idle = the "
+        "same workers connected, sending nothing.",
         "",
-        "| senders | interval s | batches/s received | scheduler idle % | scheduler sending % | scheduler ms/batch "
-        "| client ms/batch | p95 delay s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['n']} | {r['interval']:.2f} | {r['rate']:.0f} | {r['idle'] * 100:.1f} | {r['sending'] * 100:.1f} "
-              f"| {r['per_batch_ms']:.2f} | {r['client_per_batch_ms']:.2f} | {r['p95_delay']:.2f} |"
-              + (" senders starved: left out" if r["starved"] else "") for r in rows]
-    last = rows[-1]
-    lines += ["", "Scheduler CPU per batch (median of the 1 s rows whose senders kept up, 80 % of the batches asked "
-              f"for): **{per_batch:.2f} ms**. The rule "
-              f"(`ddp.events.max-batches-per-second: {budget}`): a job sends at most {budget} batches a second; up to "
-              f"{budget} ranks each rank flushes every 1 s, past that rank 0 keeps 1 s and the others flush every "
-              f"(W - 1) / {budget - 1} s, at 1,000 ranks every {sized:.1f} s: about {budget * per_batch / 10:.1f} % "
-              f"of one core of the "
-              f"scheduler. Checked in the last row: {last['n']} senders at that interval cost "
-              f"{(last['sending'] - last['idle']) * 100:.1f} % of a core, "
-              f"{(last['sending'] - last['idle']) * 100 * 1000 / last['n']:.1f} % projected to 1,000 ranks."]
+        "| senders | ranks per event | interval s | events/s received | scheduler idle % | scheduler sending % "
+        "| scheduler ms/event | client ms/event | p95 delay s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['n']} | {r['per_event']} | {r['interval']:.2f} | {r['rate']:.0f} | {r['idle'] * 100:.1f} "
+              f"| {r['sending'] * 100:.1f} | {r['per_batch_ms']:.2f} | {r['client_per_batch_ms']:.2f} "
+              f"| {r['p95_delay']:.2f} |" + (" senders starved: left out" if r["starved"] else "") for r in rows]
+    last, hub, thousand = rows[len(sizes)], rows[-2], rows[-1]
+    lines += ["", "Scheduler CPU per event of one rank (median of the 1 s rows whose senders kept up, 80 % of the "
+              f"events asked for): **{per_batch:.2f} ms**; per hub event of {args.ranks_per_host} ranks: "
+              f"**{hub['per_batch_ms']:.2f} ms**. The rule "
+              f"(`ddp.events.max-batches-per-second: {budget}`): a job sends at most {budget} events a second. "
+              f"Without hubs, up to {budget} ranks each rank flushes every 1 s, past that rank 0 keeps 1 s and the "
+              f"others flush every (W - 1) / {budget - 1} s, at 1,000 ranks every {sized:.1f} s: about "
+              f"{budget * per_batch / 10:.1f} % of one core of the scheduler. Checked: {last['n']} senders at that "
+              f"interval cost {(last['sending'] - last['idle']) * 100:.1f} % of a core, "
+              f"{(last['sending'] - last['idle']) * 100 * 1000 / last['n']:.1f} % projected to 1,000 ranks.",
+              "",
+              f"With hubs (`ddp.events.per-host: auto`, the default past the bound when a host runs several ranks) "
+              f"the same rule counts hosts, each hub event weighted by its extra cost "
+              f"(`task.HUB_COST_PER_RANK` = {HUB_COST_PER_RANK} a rank past the first; measured here: "
+              f"{(hub['per_batch_ms'] / per_batch - 1) / (args.ranks_per_host - 1):.3f}): 1,000 ranks on {hosts} "
+              f"hosts of {args.ranks_per_host} publish every "
+              f"{hub_interval:.1f} s (the host of rank 0 every 1 s). Measured directly in the last row, {hosts} "
+              f"hub senders of {args.ranks_per_host} ranks each (1,000 ranks' batches): "
+              f"**{(thousand['sending'] - thousand['idle']) * 100:.1f} % of one scheduler core**, "
+              f"p95 delay {thousand['p95_delay']:.2f} s from a report's time to the client (a report waits up to "
+              f"1 s in its rank and up to {hub_interval:.1f} s in its hub before that: at most "
+              f"{1 + hub_interval:.1f} s old in the notebook)."]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

@@ -117,6 +117,9 @@ def flush_interval_for(world_size: int, interval: float, max_batches_per_second:
     return interval if rank == 0 else max(interval, (world_size - 1) / rest)
 
 
+HUB_COST_PER_RANK = 0.06  # a hub event's scheduler CPU over one batch's, per rank past the first (measured: 0.05)
+
+
 def hub_plan(plan: RankPlan, interval: float, max_batches_per_second: float | None = 60,
              per_host: bool | str = "auto") -> dict[int, tuple[str, float]] | None:
     """Whether the job's ranks publish their event batches through a hub per host (:mod:`dask_ddp.hub`): None if
@@ -124,8 +127,11 @@ def hub_plan(plan: RankPlan, interval: float, max_batches_per_second: float | No
     worker, hub interval)}``.
 
     A host's hub is the worker of its local rank 0; it publishes every :func:`flush_interval_for` the number of
-    hosts (the host of rank 0 every ``interval``), so the job's bound holds with hosts in place of ranks: 1,000
-    ranks on 125 hosts of 8 publish every 124 / 59 = 2.1 s (16.9 s without hubs). ``per_host``
+    hosts (the host of rank 0 every ``interval``), so the job's bound holds with hosts in place of ranks. A hub's
+    event costs the scheduler more than one rank's batch, by ``HUB_COST_PER_RANK`` for each rank past the first
+    (benchmarks/RESULTS_events_scale.md), so the bound is divided by that weight: 1,000 ranks on 125 hosts of 8
+    (weight 1.42) publish every 124 / (60 / 1.42 - 1) = 3.0 s, the host of rank 0 every second (16.9 s without
+    hubs). ``per_host``
     (``ddp.events.per-host``): ``"auto"`` uses hubs when the bound would stretch a rank's interval and some host
     runs several ranks; True whenever the job has more than one rank; False never.
 
@@ -143,7 +149,9 @@ def hub_plan(plan: RankPlan, interval: float, max_batches_per_second: float | No
     if not per_host or plan.world_size < 2:
         return None
     leaders = {r.node_rank: r.address for r in plan.ranks if r.local_rank == 0}
-    return {r.rank: (leaders[r.node_rank], flush_interval_for(hosts, interval, max_batches_per_second, r.node_rank))
+    weight = 1 + HUB_COST_PER_RANK * (max(r.local_world_size for r in plan.ranks) - 1)
+    bound = max_batches_per_second / weight if max_batches_per_second else max_batches_per_second
+    return {r.rank: (leaders[r.node_rank], flush_interval_for(hosts, interval, bound, r.node_rank))
             for r in plan.ranks}
 
 

@@ -13,7 +13,7 @@ from distributed import Client
 import dask_ddp
 from dask_ddp.hub import unpack
 from dask_ddp.plan import WorkerInfo, make_plan
-from dask_ddp.task import flush_interval_for, hub_plan, topic_of
+from dask_ddp.task import HUB_COST_PER_RANK, flush_interval_for, hub_plan, topic_of
 
 
 def _plan(hosts: int, per_host: int):
@@ -30,10 +30,12 @@ def test_hub_plan_sizes_the_interval_by_hosts():
     for r in plan.ranks:
         via, interval = hubs[r.rank]
         assert via == next(x.address for x in plan.ranks if x.node_rank == r.node_rank and x.local_rank == 0)
-        assert interval == (1.0 if r.node_rank == 0 else 124 / 59)
-    # the job's event rate stays within the bound: one event a host and interval
-    assert sum(1 / i for i in {r.node_rank: hubs[r.rank][1] for r in plan.ranks}.values()) == pytest.approx(60)
-    assert hubs[0][1] == 1.0 and flush_interval_for(1000, 1.0) == pytest.approx(16.93, abs=0.01)
+        assert interval == pytest.approx(1.0 if r.node_rank == 0 else 124 / (60 / 1.42 - 1))
+    # the job's event rate stays within the bound, each hub event weighted by what it costs the scheduler more
+    rate = sum(1 / i for i in {r.node_rank: hubs[r.rank][1] for r in plan.ranks}.values())
+    assert rate * (1 + HUB_COST_PER_RANK * 7) == pytest.approx(60)
+    assert hubs[999][1] == pytest.approx(3.0, abs=0.01) and flush_interval_for(1000, 1.0) == pytest.approx(16.93,
+                                                                                                           abs=0.01)
 
 
 def test_hub_plan_auto_only_where_it_helps():
@@ -43,6 +45,7 @@ def test_hub_plan_auto_only_where_it_helps():
     assert hub_plan(_plan(10, 8), 1.0, None) is None  # no bound: nothing to stretch
     assert hub_plan(_plan(1, 2), 1.0, per_host=True) == {0: ("tcp://10.0.0.1:4000", 1.0),
                                                          1: ("tcp://10.0.0.1:4000", 1.0)}
+    assert hub_plan(_plan(1, 2), 1.0, 1, per_host=True)[1][1] == pytest.approx(1.06)  # the bound, weighted
     assert hub_plan(_plan(1, 1), 1.0, per_host=True) is None
     assert hub_plan(_plan(10, 8), 1.0, per_host=False) is None
     with pytest.raises(ValueError, match="per-host='sometimes'"):
