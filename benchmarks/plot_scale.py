@@ -12,7 +12,8 @@ Reads the tables of ``RESULTS_scale.md`` (``bench_scale.py``: seconds from ``run
 * right: dask-ddp's share of one scheduler core against ranks (1 to 1,000), from the measured CPU per batch:
   with the rule dask-ddp applies (a job sends at most ``ddp.events.max-batches-per-second`` batches, each rank
   flushing every ``max(flush-interval, ranks / max)`` s) and, for comparison, one batch per rank per second
-  (the rule before); the measured rows (real senders) as points.
+  (the rule before), and with hubs of 8 ranks a host (``ddp.events.per-host``); the measured rows (real
+  senders) as points.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
     import yaml
 
+    from dask_ddp.task import HUB_COST_PER_RANK
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(HERE / "scale.png"))
     args = p.parse_args(argv)
@@ -55,7 +58,9 @@ def main(argv=None) -> int:
     series = {"dask-ddp, warm": 2, "dask-ddp, back to back": 3, "dask-ddp, cold (first job)": 1, "torchrun": 4}
     events = table(HERE / "RESULTS_events_scale.md")
     kept = [r for r in events if "left out" not in r[-1] and "starved" not in " ".join(r)]
-    per_batch = statistics.median(number(r[5]) for r in kept if number(r[1]) == 1.0) / 1000  # CPU s per batch
+    # columns: senders, ranks per event, interval, events/s, idle %, sending %, ms/event, ...
+    plain = [r for r in kept if number(r[1]) == 1 and number(r[2]) == 1.0]
+    per_batch = statistics.median(number(r[6]) for r in plain) / 1000  # CPU s per batch
     cfg = yaml.safe_load((HERE.parent / "dask_ddp" / "ddp.yaml").read_text())["ddp"]["events"]
     cap, interval = cfg["max-batches-per-second"], cfg["flush-interval"]
 
@@ -73,12 +78,17 @@ def main(argv=None) -> int:
     ruled = [100 * per_batch * n / max(interval, n / cap) for n in world]
     naive = [100 * per_batch * n / interval for n in world]
     right.plot(world, ruled, marker="o", label=f"dask-ddp: at most {cap:g} batches/s a job")
+    weight = 1 + HUB_COST_PER_RANK * 7  # hubs of 8 ranks: one event a host, weighted (task.hub_plan)
+    hubbed = [100 * per_batch * weight * -(-n // 8) / max(interval, -(-n // 8) * weight / cap) for n in world]
+    right.plot(world, hubbed, marker=".", linestyle=":", label="dask-ddp with hubs, 8 ranks a host")
     right.plot(world, naive, linestyle="--", label=f"one batch per rank every {interval:g} s")
-    # rows at 1 s: N senders are N ranks; the row at the interval the rule gives 1,000 ranks: projected to 1,000
-    measured = [(number(r[0]), number(r[4]) - number(r[3])) if number(r[1]) == 1.0
-                else (1000, (number(r[4]) - number(r[3])) * 1000 / number(r[0])) for r in kept]
+    # rows at 1 s: N senders of k ranks are N k ranks; the one-rank row at the interval the rule gives 1,000
+    # ranks: projected to 1,000; the hub row at its interval: 1,000 ranks' batches, measured as they are
+    measured = [(number(r[0]) * number(r[1]), number(r[5]) - number(r[4]))
+                if number(r[2]) == 1.0 or number(r[1]) > 1
+                else (1000, (number(r[5]) - number(r[4])) * 1000 / number(r[0])) for r in kept]
     right.scatter([m[0] for m in measured], [m[1] for m in measured], color="black", zorder=3,
-                  label="measured: scheduler CPU, sending - idle\n(at 1,000: N senders at its interval, x 1000/N)")
+                  label="measured: scheduler CPU, sending - idle\n(at 1,000: N senders at its interval, x 1000/N;\n125 hubs of 8 as measured)")
     right.axhline(10, color="grey", linewidth=0.8)
     right.text(1.2, 11, "goal: 10 % of one core", fontsize=8, color="grey")
     right.set(xscale="log", yscale="log", xlabel="ranks", ylabel="% of one scheduler core",
