@@ -84,7 +84,7 @@ class Hubs:
         hub.waiters.append(done)
         if now or time.monotonic() - hub.published >= hub.interval:
             self._publish(hub)
-        elif self._ticker is None or self._ticker.done():
+        if self._ticker is None or self._ticker.done():  # it publishes what is due and forgets idle hubs
             self._ticker = asyncio.ensure_future(self._tick())
         await done
         return "published"

@@ -131,9 +131,8 @@ def hub_plan(plan: RankPlan, interval: float, max_batches_per_second: float | No
     event costs the scheduler more than one rank's batch, by ``HUB_COST_PER_RANK`` for each rank past the first
     (benchmarks/RESULTS_events_scale.md), so the bound is divided by that weight: 1,000 ranks on 125 hosts of 8
     (weight 1.42) publish every 124 / (60 / 1.42 - 1) = 3.0 s, the host of rank 0 every second (16.9 s without
-    hubs). ``per_host``
-    (``ddp.events.per-host``): ``"auto"`` uses hubs when the bound would stretch a rank's interval and some host
-    runs several ranks; True whenever the job has more than one rank; False never.
+    hubs). ``per_host`` (``ddp.events.per-host``): ``"auto"`` uses hubs when the bound would stretch a rank's
+    interval and some host runs several ranks; True whenever the job has more than one rank; False never.
 
     Raises
     ------
