@@ -77,6 +77,7 @@ def _ranks_in(event) -> set:
     return {b["rank"] for b in unpack(event)}
 
 
+@pytest.mark.slow
 def test_a_job_through_one_hub_sends_one_event_per_interval_and_loses_nothing(client):
     """2 ranks on one host flushing every 0.2 s, a bound of 1 event a second: through the hub the scheduler sends
     about one event a second, each with both ranks' batches, and every report arrives, in order. (Without a hub the
