@@ -37,9 +37,10 @@ import msgpack
 from .hub import forward, item_size, unpack
 from .reporting import INT_MAX, INT_MIN, TICK, clip_line, safe_text
 
+__all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
+
 logger = logging.getLogger("dask_ddp")
 
-__all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
 
 def wire_safe(msg) -> bool:
     """Whether ``msg`` encodes as Dask's batched stream does (msgpack): Dask's own check lets more through."""
@@ -63,8 +64,6 @@ def escaped(value):
     if value is None or type(value) in (bool, float, bytes):
         return value
     return safe_text(repr(value))
-
-
 
 
 class Relay:
