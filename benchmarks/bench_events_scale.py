@@ -48,6 +48,8 @@ from pathlib import Path
 import dask
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # _cluster.synthetic_plan
+
 PER_PROCESS = 50  # sender workers per sender process
 
 
@@ -152,11 +154,11 @@ def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: fl
 
 def _hub_interval(hosts: int, per_host: int, flush: float, budget: float) -> float:
     """What dask-ddp's rule (task.hub_plan) gives the hubs other than rank 0's: a synthetic plan of that shape."""
-    from dask_ddp.plan import WorkerInfo, make_plan
+    from _cluster import synthetic_plan
+
     from dask_ddp.task import hub_plan
 
-    plan = make_plan([WorkerInfo(f"tcp://10.0.{h // 250}.{h % 250 + 1}:{4000 + w}", f"10.0.{h // 250}.{h % 250 + 1}",
-                                 4000 + w, f"h{h}-{w}") for h in range(hosts) for w in range(per_host)])
+    plan = synthetic_plan(hosts, per_host)
     return hub_plan(plan, flush, budget, per_host=True)[plan.world_size - 1][1]
 
 

@@ -1,5 +1,6 @@
 """Helpers for tests on real Dask clusters: cluster builders, a job runner, polling, leftover-process checks,
-``dask worker`` processes started from the command line (also used by benchmarks/bench_preemption.py)."""
+``dask worker`` processes started from the command line (also used by benchmarks/bench_preemption.py), and a
+synthetic plan (also used by benchmarks/bench_events_scale.py)."""
 
 from __future__ import annotations
 
@@ -162,3 +163,13 @@ class CliWorkers:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def synthetic_plan(hosts: int, per_host: int):
+    """The plan for ``hosts`` hosts of ``per_host`` workers each, from a synthetic scheduler view (no cluster)."""
+    from dask_ddp.plan import make_plan, workers_from_scheduler_info
+
+    view = {f"tcp://10.0.{h // 250}.{h % 250 + 1}:{4000 + w}": {"host": f"10.0.{h // 250}.{h % 250 + 1}",
+                                                             "name": f"h{h}-gpu{w}"}
+            for h in range(hosts) for w in range(per_host)}
+    return make_plan(workers_from_scheduler_info({"workers": view}))

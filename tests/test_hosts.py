@@ -397,31 +397,16 @@ def test_each_host_publishes_its_ranks_events_through_its_own_hub(three_hosts):
     """ddp.events.per-host: every rank forwards to the worker of its host's local rank 0 (across the host's own
     address), which publishes its host's batches: the scheduler hears from 3 workers, not 6, and from each only
     its own host's ranks; every report arrives, in order."""
-    import dask
-    from test_hub import TopicWatch, report_for
+    from test_hub import hub_of, watched_report_job
 
     from dask_ddp.hub import unpack
-    from dask_ddp.task import topic_of
 
-    hosts = three_hosts
-    with dask.config.set({"ddp.events.per-host": True, "ddp.events.flush-interval": 0.2}):
-        job = run(hosts.client, report_for, 4.0)
-    watch = TopicWatch(hosts.client.scheduler.address, topic_of(job.run_id))
-    try:
-        counts = job.result(timeout=300)
-        time.sleep(0.5)
-    finally:
-        watch.close()
-    metrics = job.metrics
-    for rank, n in enumerate(counts):
-        assert list(metrics[metrics["rank"] == rank]["i"]) == list(range(n)), rank
+    job, events = watched_report_job(three_hosts.client, 4.0, 300, per_host=True, flush_interval=0.2)
     plan = job.attempt.plan
-    hub_of = {r.rank: next(x.address for x in plan.ranks if x.node_rank == r.node_rank and x.local_rank == 0)
-              for r in plan.ranks}
     senders: dict[str, set] = {}
-    for event in watch.events:
-        if isinstance(event, dict) and "batches" in event:
+    for event in events:
+        if "batches" in event:
             senders.setdefault(event.get("worker"), set()).update(b["rank"] for b in unpack(event))
     print({w: sorted(r) for w, r in senders.items()})
-    assert set(senders) == set(hub_of.values()), senders
-    assert all(hub_of[r] == w for w, ranks in senders.items() for r in ranks), senders
+    assert set(senders) == {hub_of(plan, r.rank) for r in plan.ranks}, senders
+    assert all(hub_of(plan, r) == w for w, ranks in senders.items() for r in ranks), senders

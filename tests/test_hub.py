@@ -7,29 +7,28 @@ import time
 
 import dask
 import pytest
-from _cluster import local_client, run, wait_until
+from _cluster import local_client, run, synthetic_plan, wait_until
 from distributed import Client
 
 import dask_ddp
 from dask_ddp.hub import unpack
-from dask_ddp.plan import WorkerInfo, make_plan
 from dask_ddp.task import HUB_COST_PER_RANK, flush_interval_for, hub_plan, topic_of
 
 
-def _plan(hosts: int, per_host: int):
-    workers = [WorkerInfo(f"tcp://10.0.{h // 250}.{h % 250 + 1}:{4000 + w}", f"10.0.{h // 250}.{h % 250 + 1}",
-                          4000 + w, f"h{h}-gpu{w}") for h in range(hosts) for w in range(per_host)]
-    return make_plan(workers)
+def hub_of(plan, rank: int) -> str:
+    """The address of the worker that runs local rank 0 on ``rank``'s host: its hub."""
+    node = plan.ranks[rank].node_rank
+    return next(r.address for r in plan.ranks if r.node_rank == node and r.local_rank == 0)
 
 
 def test_hub_plan_sizes_the_interval_by_hosts():
-    plan = _plan(125, 8)  # 1,000 ranks, 8 a host
+    plan = synthetic_plan(125, 8)  # 1,000 ranks, 8 a host
     hubs = hub_plan(plan, 1.0)
     assert len(hubs) == 1000
     assert {via for via, _ in hubs.values()} == {r.address for r in plan.ranks if r.local_rank == 0}
     for r in plan.ranks:
         via, interval = hubs[r.rank]
-        assert via == next(x.address for x in plan.ranks if x.node_rank == r.node_rank and x.local_rank == 0)
+        assert via == hub_of(plan, r.rank)
         assert interval == pytest.approx(1.0 if r.node_rank == 0 else 124 / (60 / 1.42 - 1))
     # the job's event rate stays within the bound, each hub event weighted by what it costs the scheduler more
     rate = sum(1 / i for i in {r.node_rank: hubs[r.rank][1] for r in plan.ranks}.values())
@@ -39,17 +38,17 @@ def test_hub_plan_sizes_the_interval_by_hosts():
 
 
 def test_hub_plan_auto_only_where_it_helps():
-    assert hub_plan(_plan(8, 7), 1.0) is None  # 56 ranks: within the bound, every rank publishes every second
-    assert hub_plan(_plan(1000, 1), 1.0) is None  # one rank a host: a hub would gather nothing
-    assert hub_plan(_plan(10, 8), 1.0) is not None  # 80 ranks on 10 hosts
-    assert hub_plan(_plan(10, 8), 1.0, None) is None  # no bound: nothing to stretch
-    assert hub_plan(_plan(1, 2), 1.0, per_host=True) == {0: ("tcp://10.0.0.1:4000", 1.0),
-                                                         1: ("tcp://10.0.0.1:4000", 1.0)}
-    assert hub_plan(_plan(1, 2), 1.0, 1, per_host=True)[1][1] == pytest.approx(1.06)  # the bound, weighted
-    assert hub_plan(_plan(1, 1), 1.0, per_host=True) is None
-    assert hub_plan(_plan(10, 8), 1.0, per_host=False) is None
+    assert hub_plan(synthetic_plan(8, 7), 1.0) is None  # 56 ranks: within the bound, every rank publishes every second
+    assert hub_plan(synthetic_plan(1000, 1), 1.0) is None  # one rank a host: a hub would gather nothing
+    assert hub_plan(synthetic_plan(10, 8), 1.0) is not None  # 80 ranks on 10 hosts
+    assert hub_plan(synthetic_plan(10, 8), 1.0, None) is None  # no bound: nothing to stretch
+    assert hub_plan(synthetic_plan(1, 2), 1.0, per_host=True) == {0: ("tcp://10.0.0.1:4000", 1.0),
+                                                                1: ("tcp://10.0.0.1:4000", 1.0)}
+    assert hub_plan(synthetic_plan(1, 2), 1.0, 1, per_host=True)[1][1] == pytest.approx(1.06)  # the bound, weighted
+    assert hub_plan(synthetic_plan(1, 1), 1.0, per_host=True) is None
+    assert hub_plan(synthetic_plan(10, 8), 1.0, per_host=False) is None
     with pytest.raises(ValueError, match="per-host='sometimes'"):
-        hub_plan(_plan(1, 2), 1.0, per_host="sometimes")
+        hub_plan(synthetic_plan(1, 2), 1.0, per_host="sometimes")
 
 
 class TopicWatch:
@@ -77,24 +76,29 @@ def _ranks_in(event) -> set:
     return {b["rank"] for b in unpack(event)}
 
 
-@pytest.mark.slow
-def test_a_job_through_one_hub_sends_one_event_per_interval_and_loses_nothing(client):
-    """2 ranks on one host flushing every 0.2 s, a bound of 1 event a second: through the hub the scheduler sends
-    about one event a second, each with both ranks' batches, and every report arrives, in order. (Without a hub the
-    same bound gives each rank one event every 2 s, never shared.)"""
-    with dask.config.set({"ddp.events.per-host": True, "ddp.events.flush-interval": 0.2,
-                          "ddp.events.max-batches-per-second": 1}):
-        job = run(client, report_for, 5.0, name="hubbed")
+def watched_report_job(client, seconds: float, timeout: float, **config):
+    """A job of :func:`report_for` under ``config`` (``ddp.events.*``), its topic watched by a second client: the
+    job, once it has checked that every rank's reports all arrived, in order, and the events the scheduler sent."""
+    with dask.config.set({f"ddp.events.{k.replace('_', '-')}": v for k, v in config.items()}):
+        job = run(client, report_for, seconds)
     watch = TopicWatch(client.scheduler.address, topic_of(job.run_id))
     try:
-        counts = job.result(timeout=120)
+        counts = job.result(timeout=timeout)
         time.sleep(0.5)
     finally:
         watch.close()
     metrics = job.metrics
     for rank, n in enumerate(counts):
         assert list(metrics[metrics["rank"] == rank]["i"]) == list(range(n)), rank  # all, in order
-    events = [e for e in watch.events if isinstance(e, dict)]
+    return job, [e for e in watch.events if isinstance(e, dict)]
+
+
+@pytest.mark.slow
+def test_a_job_through_one_hub_sends_one_event_per_interval_and_loses_nothing(client):
+    """2 ranks on one host flushing every 0.2 s, a bound of 1 event a second: through the hub the scheduler sends
+    about one event a second, each with both ranks' batches, and every report arrives, in order. (Without a hub the
+    same bound gives each rank one event every 2 s, never shared.)"""
+    _, events = watched_report_job(client, 5.0, 120, per_host=True, flush_interval=0.2, max_batches_per_second=1)
     shared = [e for e in events if _ranks_in(e) == {0, 1}]
     per_rank = {rank: sum(b["rank"] == rank for e in events for b in unpack(e)) for rank in (0, 1)}
     print(f"{len(events)} events from the scheduler, {len(shared)} with both ranks, rank batches {per_rank}")
