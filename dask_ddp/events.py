@@ -34,7 +34,7 @@ from typing import Callable
 import dask
 import msgpack
 
-from .hub import forward, item_size, unpack
+from .hub import chunked, forward, item_size, unpack
 from .reporting import INT_MAX, INT_MIN, TICK, clip_line, safe_text
 
 __all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
@@ -118,16 +118,7 @@ class Relay:
         with self._publish_lock:  # one publisher at a time keeps seq in order
             with self._lock:
                 items, self._items = self._items, []
-            msgs, batch, size = [], [], 0
-            for item in items:
-                size_of = item_size(item)
-                if batch and size + size_of > self.max_bytes:
-                    msgs.append(self._message(batch))
-                    batch, size = [], 0
-                batch.append(item)
-                size += size_of
-            if batch:
-                msgs.append(self._message(batch))
+            msgs = [self._message(batch) for batch in chunked(items, item_size, self.max_bytes)]
             if msgs:
                 self._published = time.monotonic()
                 self._publish(msgs, now)

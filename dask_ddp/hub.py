@@ -31,7 +31,7 @@ import time
 
 from distributed.utils import sync
 
-__all__ = ["HANDLER", "Hubs", "forward", "unpack"]
+__all__ = ["HANDLER", "Hubs", "chunked", "forward", "item_size", "unpack"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -47,11 +47,26 @@ def unpack(msg) -> list:
     return [msg]
 
 
-class _Hub:
-    """One topic's batches from one host's ranks, waiting for the next publication."""
+def chunked(things: list, size_of, limit: int):
+    """``things`` in order, in runs of at most ``limit`` bytes by ``size_of`` (a larger thing goes alone)."""
+    group, size = [], 0
+    for thing in things:
+        n = size_of(thing)
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(thing)
+        size += n
+    if group:
+        yield group
 
-    def __init__(self, topic: str, run: str, interval: float):
-        self.topic, self.run, self.interval = topic, run, interval
+
+class _Hub:
+    """One topic's batches from one host's ranks, waiting for the next publication (``run`` and ``interval``:
+    as the latest forward said)."""
+
+    def __init__(self, topic: str):
+        self.topic, self.run, self.interval = topic, "", 1.0
         self.pending: list[dict] = []
         self.waiters: list[asyncio.Future] = []
         self.published = time.monotonic()
@@ -76,7 +91,7 @@ class Hubs:
         seconds of the hub's last publication, or at once with ``now``."""
         hub = self._hubs.get(topic)
         if hub is None:
-            hub = self._hubs[topic] = _Hub(topic, run, interval)
+            hub = self._hubs[topic] = _Hub(topic)
         hub.run, hub.interval = run, max(float(interval), TICK)  # a restart's plan may have other hosts
         hub.pending.extend(batches or [])
         hub.touched = time.monotonic()
@@ -92,15 +107,7 @@ class Hubs:
     def _publish(self, hub: _Hub) -> None:
         hub.published = time.monotonic()
         batches, waiters, hub.pending, hub.waiters = hub.pending, hub.waiters, [], []
-        group, size = [], 0
-        for batch in batches:  # at most max-batch-bytes an event, as a rank's own batches
-            batch_size = _size(batch)
-            if group and size + batch_size > self.max_bytes:
-                self.worker.log_event(hub.topic, {"run": hub.run, "batches": group})
-                group, size = [], 0
-            group.append(batch)
-            size += batch_size
-        if group:
+        for group in chunked(batches, _size, self.max_bytes):  # at most max-batch-bytes an event, as a rank's own
             self.worker.log_event(hub.topic, {"run": hub.run, "batches": group})
         for done in waiters:
             if not done.done():

@@ -11,7 +11,7 @@ from _cluster import local_client, run, synthetic_plan, wait_until
 from distributed import Client
 
 import dask_ddp
-from dask_ddp.hub import unpack
+from dask_ddp.hub import chunked, unpack
 from dask_ddp.task import HUB_COST_PER_RANK, flush_interval_for, hub_plan, topic_of
 
 
@@ -49,6 +49,13 @@ def test_hub_plan_auto_only_where_it_helps():
     assert hub_plan(synthetic_plan(10, 8), 1.0, per_host=False) is None
     with pytest.raises(ValueError, match="per-host='sometimes'"):
         hub_plan(synthetic_plan(1, 2), 1.0, per_host="sometimes")
+
+
+def test_chunked_keeps_order_and_the_byte_bound():
+    """How the Relay splits a rank's items and a hub its batches (ddp.events.max-batch-bytes)."""
+    assert list(chunked([5, 5, 5], lambda n: n, 10)) == [[5, 5], [5]]
+    assert list(chunked([20, 1, 9, 2], lambda n: n, 10)) == [[20], [1, 9], [2]]  # too large: alone, not dropped
+    assert list(chunked([], lambda n: n, 10)) == []
 
 
 class TopicWatch:
