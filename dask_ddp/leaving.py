@@ -22,6 +22,7 @@ import logging
 import time
 import weakref
 
+from distributed.core import Status, rpc
 from distributed.diagnostics.plugin import NannyPlugin
 from distributed.protocol import pickle
 
@@ -32,6 +33,7 @@ __all__ = ["drain", "LeaveGracefully", "register", "notify", "grace_period"]
 logger = logging.getLogger("dask_ddp")
 
 NAME = "dask-ddp-leave"
+CONNECT_TIMEOUT = 5.0  # seconds for a Nanny to reach its own worker (same machine): more means it is dead
 RANK_HOST = "dask-ddp"  # the name of the workers' RankHost plugin (dask_ddp.plugin, which imports this module)
 _registered: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -75,14 +77,19 @@ class LeaveGracefully(NannyPlugin):
         self.nanny = nanny
 
     async def teardown(self, nanny) -> None:
-        address = getattr(getattr(nanny, "process", None), "worker_address", None)
-        if not address:
-            return
+        process = getattr(nanny, "process", None)
+        address = getattr(process, "worker_address", None)
+        if not address or getattr(process, "status", None) != Status.running:
+            return  # no worker, or one still starting: its address is the one before a restart, its ranks are gone
         try:
-            await asyncio.wait_for(nanny.rpc(address).run(
-                function=pickle.dumps(drain_on_worker),
-                kwargs=pickle.dumps({"cause": f"worker {address} is closing (its Nanny was stopped: SIGTERM or "
-                                              "a scale-down)"})), grace_period() + 5)
+            # The worker runs beside its Nanny: it takes a connection at once, or it has died (killed, not yet
+            # noticed). distributed retries a refused connection for distributed.comm.timeouts.connect (30 s),
+            # which every close of a cluster with a crashed worker would then wait.
+            async with rpc(address, timeout=CONNECT_TIMEOUT, connection_args=nanny.connection_args) as worker:
+                await asyncio.wait_for(worker.run(
+                    function=pickle.dumps(drain_on_worker),
+                    kwargs=pickle.dumps({"cause": f"worker {address} is closing (its Nanny was stopped: SIGTERM "
+                                                  "or a scale-down)"})), grace_period() + 5)
         except Exception:  # noqa: BLE001 - the worker is gone already: nothing left to save
             logger.debug("dask-ddp: could not ask worker %s to drain", address, exc_info=True)
 
