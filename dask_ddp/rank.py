@@ -134,10 +134,11 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
         pinned = network.pin_interfaces(spec.host)
         store = _open_store(chan, task, master_port)
-        if rank == 0 and pinned:
-            logging.getLogger("dask_ddp").info("collectives use interface %s (the worker's address %s); set %s "
-                                               "to choose another", next(iter(pinned.values())), spec.host,
-                                               " / ".join(pinned))
+        if rank == 0 and pinned:  # worth a line in the notebook only where the interface matters: across hosts
+            logging.getLogger("dask_ddp").log(
+                logging.INFO if spec.num_nodes > 1 else logging.DEBUG,
+                "collectives use interface %s (the worker's address %s); set %s to choose another",
+                next(iter(pinned.values())), spec.host, " / ".join(pinned))
         backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend)
         if sampler is not None:
             sampler.device = device

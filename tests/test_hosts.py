@@ -164,6 +164,10 @@ def test_six_ranks_on_three_hosts(three_hosts):
         assert {ip for ip, _, _ in got["listening"]} == {host.address}, got["listening"]  # gloo's and the store's
         assert (got["params"] == out[0]["params"]).all(), f"rank {r}'s parameters differ from rank 0's"
     assert out[0]["listen"] == [master], "rank 0's store must listen on its host's address only"
+    said = [line for line in job.logs if "collectives use interface" in line]
+    assert said == [f"[rank 0] INFO dask_ddp: collectives use interface {hosts.hosts[0].ifname} (the worker's "
+                    f"address {master}); set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / TP_SOCKET_IFNAME to choose "
+                    "another"], job.logs[-20:]
     assert sorted(job.metrics["rank"].unique()) == list(range(6)) and len(job.metrics) == 30
     assert client_peers(hosts) <= {hosts.scheduler_address}
 

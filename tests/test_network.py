@@ -47,8 +47,8 @@ def test_the_store_listens_on_the_workers_address_only_and_collectives_use_its_i
     for seen in got:
         assert seen["sum"] == 2.0
         assert all(seen[name] == "lo" for name in network.IFNAME_VARIABLES), seen
-    said = [line for line in job.logs if "collectives use interface lo" in line]
-    assert said and said[0].startswith("[rank 0]"), job.logs[-20:]
+    # one host: the interface is no news, and the notebook of every LocalCluster job would repeat it
+    assert not [line for line in job.logs if "collectives use interface" in line], job.logs[-20:]
 
 
 @pytest.mark.slow
