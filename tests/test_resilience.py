@@ -157,6 +157,11 @@ def _report_then_spin():
     _spin_in_collectives()
 
 
+def close_worker(client, address: str) -> None:
+    """Close the worker at ``address`` gracefully (as a scale-down would), from its own event loop."""
+    client.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"), workers=[address])
+
+
 @pytest.mark.slow
 def test_closed_worker():
     """A worker closed gracefully (scale-down, drained node) does not come back: its own cluster."""
@@ -176,7 +181,7 @@ def _closed_worker(client):
     wait_until(lambda: not job.metrics.empty, 60, what="the first report")
     victim = job.plan.addresses[1]
     t0 = time.time()
-    client.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"), workers=[victim])
+    close_worker(client, victim)
     with pytest.raises(dask_ddp.DaskDDPError, match="rank 1") as info:
         job.result(timeout=120)
     took = time.time() - t0
@@ -210,7 +215,7 @@ def test_a_closing_worker_loses_none_of_the_reports_its_rank_held(tmp_path):
             job = run(c, report_and_note, str(path), workers=[victim])
         wait_until(lambda: not job.metrics.empty, 60, what="the first batch")
         time.sleep(2.5)  # mid-interval: the rank holds about 2.5 s of reports
-        c.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"), workers=[victim])
+        close_worker(c, victim)
         with pytest.raises(dask_ddp.WorkerLostError):
             job.result(timeout=120)
         seen = list(job.metrics["i"])
@@ -390,8 +395,7 @@ def test_elastic_restart_on_the_workers_left():
         wait_until(lambda: len(job.metrics) >= 3, 60, what="a report from each of the 3 ranks")
         assert job.plan.world_size == 3
         victim = job.plan.addresses[2]
-        c.run(lambda dask_worker: dask_worker.loop.add_callback(dask_worker.close, reason="test"),
-              workers=[victim])
+        close_worker(c, victim)
         assert job.result(timeout=120) == [(2, 1, 2), (2, 1, 2)]
         assert victim not in job.plan.addresses
         assert [s for _, _, s, _ in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"]
