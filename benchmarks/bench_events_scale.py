@@ -108,6 +108,7 @@ def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: fl
             per_event: int = 1) -> dict:
     """Scheduler and client CPU for ``n`` senders each publishing an event of ``per_event`` rank batches every
     ``interval`` s (the client's feed unpacks hub events: it counts rank batches)."""
+    from dask_ddp.cluster import scheduler_workers
     from dask_ddp.events import TopicFeed
 
     topic = f"ddp-bench-{n}-{int(interval * 1000)}-{per_event}"
@@ -117,7 +118,7 @@ def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: fl
     procs = [ctx.Process(target=_sender_process, args=(address, topic, i, min(PER_PROCESS, n - i), control,
                                                        per_event))
              for i in range(0, n, PER_PROCESS)]
-    before = len(client.scheduler_info(n_workers=-1)["workers"])
+    before = len(scheduler_workers(client))
     for p in procs:
         p.start()
     client.wait_for_workers(before + n, timeout=300)

@@ -580,9 +580,11 @@ def restarted(log_dir: str) -> bool:
 
 
 def run_dpd(args, fault, log_dir, ckpt_dir) -> Run:
+    from dask_ddp.cluster import scheduler_workers
+
     run = Run("dpd", fault)
     with Cluster() as client:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = sorted(scheduler_workers(client))
         run.t0 = time.time()
         port = free_port()
         futures = [client.submit(dpd_dispatch_with_ddp, train, "127.0.0.1", port, rank, len(workers),

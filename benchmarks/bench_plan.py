@@ -5,7 +5,7 @@ Usage::
     python benchmarks/bench_plan.py [--repeats 9] [--out benchmarks/RESULTS_plan.md]
 
 What dispatch does before anything ships: read the workers out of
-``client.scheduler_info(n_workers=-1)`` (:func:`dask_ddp.plan.workers_from_scheduler_info`)
+the scheduler's identity (:func:`dask_ddp.plan.workers_from_scheduler_info`)
 and give each a rank (:func:`dask_ddp.plan.make_plan`). The view is built in
 memory with the shape the scheduler gives (address -> ``{"host", "name"}``), 8
 workers a host named like dask-cuda's (``gpu0``..``gpu7``), in a shuffled order,

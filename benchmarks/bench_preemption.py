@@ -201,6 +201,7 @@ def dask_ddp_case(args, case: str, root: str) -> dict:
     from dask.distributed import Client, LocalCluster
 
     from dask_ddp import dispatch
+    from dask_ddp.cluster import scheduler_workers
 
     log_dir, ckpt = os.path.join(root, case, "log"), os.path.join(root, case, "ckpt")
     os.makedirs(log_dir)
@@ -231,7 +232,7 @@ def dask_ddp_case(args, case: str, root: str) -> dict:
                 cluster.scale(1)
             else:
                 cluster.scale(3)
-                while len(client.scheduler_info(n_workers=-1)["workers"]) < 3:
+                while len(scheduler_workers(client)) < 3:
                     time.sleep(0.05)
                 t0 = time.time()  # growth counts from the moment the worker is there
             job.result(timeout=600)

@@ -28,6 +28,7 @@ import dask
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import plan as planning
 from . import plugin
+from .cluster import scheduler_workers
 from .dashboard import install as install_dashboard
 from .errors import ClientClosedError, PlanError, SerializationError
 from . import detach as detach_module
@@ -217,8 +218,8 @@ def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool
     """
     _check_client(client)
     timeout = _number("timeout", timeout)
-    info = client.scheduler_info(n_workers=-1)
-    plan = planning.make_plan(planning.workers_from_scheduler_info(info), workers, None)
+    plan = planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
+                              None)
     plugin.register(client)
     return client.run(plugin.warm_spare, timeout, workers=list(plan.addresses))
 
@@ -295,8 +296,8 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise PlanError(f"total={total!r}: expected a positive int or None")
     call = _check_pickles(fn, args, kwargs)
-    info = client.scheduler_info(n_workers=-1)  # not the default of 5 (distributed 2025.4 - 2026.6)
-    plan = planning.make_plan(planning.workers_from_scheduler_info(info), workers, master_addr)
+    plan = planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
+                              master_addr)
     return LaunchSpec(
         call=call, fn_name=fn_name, run_id=run_id, first_plan=plan, workers=workers,
         backend=backend, master_addr=master_addr, name=name,

@@ -31,7 +31,7 @@ class SilenceWatch:
     """Finds workers whose heartbeats to the scheduler stopped; ``timeout`` None or 0 turns it off.
 
     No I/O: the controller asks :meth:`due` and, when it is, passes the
-    scheduler's workers (``scheduler_info(n_workers=-1)["workers"]``) to :meth:`check`.
+    scheduler's workers (:func:`dask_ddp.cluster.scheduler_workers`) to :meth:`check`.
     """
 
     def __init__(self, timeout: float | None, every: float = 1.0):

@@ -110,7 +110,8 @@ def _host_key(host: str) -> tuple:
 
 
 def workers_from_scheduler_info(info: Mapping[str, Any]) -> list[WorkerInfo]:
-    """Read the workers out of ``client.scheduler_info(n_workers=-1)``."""
+    """Read the workers out of the scheduler's identity, ``{"workers": {address: info}}``
+    (``{"workers": dask_ddp.cluster.scheduler_workers(client)}``)."""
     out = []
     for address, w in info.get("workers", {}).items():
         host, port = w.get("host"), _port(address)

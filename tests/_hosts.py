@@ -132,6 +132,8 @@ class SimulatedHosts:
     def start(self, timeout: float = 240) -> "SimulatedHosts":
         from distributed import Client
 
+        from dask_ddp.cluster import scheduler_workers
+
         _LIVE.add(self)
         _on_sigterm_clean_up()
         self._write_state()
@@ -145,7 +147,7 @@ class SimulatedHosts:
         try:
             self.client.wait_for_workers(self.n_workers, timeout=timeout)
         except Exception as exc:
-            raise RuntimeError(f"{len(self.client.scheduler_info(n_workers=-1)['workers'])} of {self.n_workers} "
+            raise RuntimeError(f"{len(scheduler_workers(self.client))} of {self.n_workers} "
                                f"workers joined ({exc!r}):\n{self.log_tails()}") from None
         return self
 
@@ -244,7 +246,9 @@ class SimulatedHosts:
 
     def workers_of(self, host: Host) -> list[str]:
         """Addresses of ``host``'s workers the scheduler knows now."""
-        return sorted(a for a in self.client.scheduler_info(n_workers=-1)["workers"]
+        from dask_ddp.cluster import scheduler_workers
+
+        return sorted(a for a in scheduler_workers(self.client)
                       if a.startswith(f"tcp://{host.address}:"))
 
     def host_of(self, address: str) -> Host:

@@ -19,6 +19,7 @@ import torch
 from dask_ddp import checkpoint as ck
 from dask_ddp.context import Context, _set_context
 from dask_ddp.errors import NotInRankError
+from dask_ddp.cluster import scheduler_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -396,7 +397,7 @@ def test_two_jobs_sharing_name_and_checkpoint_dir_stay_apart(client, tmp_path):
 
     ckdir, sync = str(tmp_path / "ckpt"), tmp_path / "sync"
     sync.mkdir()
-    first, second = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    first, second = sorted(scheduler_workers(client))
     steps = {"a": [1, 2, 3, 4, 5], "b": [3, 4, 5, 6, 7]}
     jobs = {tag: run(client, save_beside_another_job, tag, steps[tag], str(sync), workers=[where], name="same-name",
                      checkpoint_dir=ckdir) for tag, where in (("a", first), ("b", second))}

@@ -17,6 +17,7 @@ from dask.distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 import dask_ddp
 from dask_ddp import devices, dispatch
 from dask_ddp.devices import Placement, assign, choose_backend
+from dask_ddp.cluster import scheduler_workers
 
 from _cluster import wait_until
 
@@ -92,7 +93,7 @@ def test_dask_cuda_rotation_on_cpu():
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
         client.wait_for_workers(n, timeout=60)
-        names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        names = {a: w["name"] for a, w in scheduler_workers(client).items()}
         out = dispatch.run(client, where_am_i, progress=False).result(timeout=180)
         for rank, (r, local_rank, cvd, worker, device, backend) in enumerate(out):
             assert r == local_rank == rank

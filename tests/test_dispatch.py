@@ -13,6 +13,7 @@ from dask.distributed import Client, LocalCluster
 
 import dask_ddp
 from dask_ddp import dispatch
+from dask_ddp.cluster import scheduler_workers
 
 from _cluster import leftover_processes, local_client, no_running_ranks, rank_process_pids, run, wait_until
 
@@ -211,7 +212,7 @@ def test_cancel_stops_every_rank(client):
 @pytest.mark.slow
 def test_two_concurrent_jobs_on_disjoint_workers():
     with local_client(4) as c:
-        addrs = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        addrs = sorted(scheduler_workers(c))
         results = {}
 
         def go(name, workers):
@@ -234,11 +235,30 @@ def test_warm_up_starts_the_spares_the_next_job_uses(client):
     with pytest.raises(dask_ddp.PlanError, match="asked for 3 workers"):
         dispatch.warm_up(client, workers=3)
     ready = dispatch.warm_up(client, timeout=120)
-    assert sorted(ready) == sorted(client.scheduler_info(n_workers=-1)["workers"]) and all(ready.values())
+    assert sorted(ready) == sorted(scheduler_workers(client)) and all(ready.values())
     spares = {addr: got["spare"] for addr, got in rank_process_pids(client).items()}
     assert all(len(p) == 1 for p in spares.values()), spares
     parents = run(client, os.getppid).result(timeout=120)
     assert set(parents) == {p[0] for p in spares.values()}, "the job's ranks must be forks of the warmed zygotes"
+
+
+def test_planning_sees_every_worker_while_the_client_refreshes_its_cache(client):
+    """distributed 2026.7's Client.scheduler_info(n_workers=-1) returns the client's shared cached identity, which
+    the client's own periodic refresh replaces with one that lists no workers: a refresh between the fetch and the
+    return made run() say "the cluster has: none" (a CI run failed so). With a refresh every 2 ms that path gave
+    an empty cluster in 68 of 500 calls; dask-ddp's own view and warm_up's plan must never."""
+    import dask
+    from distributed import Client
+
+    addresses = sorted(scheduler_workers(client))
+    with dask.config.set({"distributed.client.scheduler-info-interval": "2ms"}):
+        fast = Client(client.scheduler.address, timeout=30)
+    try:
+        assert [sorted(scheduler_workers(fast)) for _ in range(500)] == [addresses] * 500
+        for _ in range(50):
+            assert sorted(dispatch.warm_up(fast, workers=addresses, timeout=60)) == addresses
+    finally:
+        fast.close()
 
 
 def _set_zygote(on: bool) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import dask_ddp
 from dask_ddp import reporting
 from dask_ddp.events import Relay, escaped, wire_safe
+from dask_ddp.cluster import scheduler_workers
 
 from _cluster import run
 
@@ -146,11 +147,11 @@ def generated_cases(n_examples: int) -> tuple[list, list]:
 def test_thousands_of_generated_reports_and_lines_leave_every_worker_in_place(client):
     reports, lines = generated_cases(400)
     assert len(reports) > 1000 and len(lines) > 1000
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(scheduler_workers(client))
     with dask.config.set({"ddp.echo-logs": False}):
         job = run(client, noisy_rank, reports, lines)
     ends = job.result(timeout=300)
-    assert sorted(client.scheduler_info(n_workers=-1)["workers"]) == workers, "a worker was lost"
+    assert sorted(scheduler_workers(client)) == workers, "a worker was lost"
     accepted = sum(e == "ok" for e in ends[0]) + sum(e == "ok" for e in ends[1])
     assert len(job.metrics) == accepted
     refused = [(k, v) for (k, v), e in zip(reports, ends[0]) if e != "ok"]

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import dask_ddp
+from dask_ddp.cluster import scheduler_workers
 
 from _cluster import leftover_processes, rank_process_pids, run, wait_until
 
@@ -215,7 +216,7 @@ def _own_columns(metrics) -> list[str]:
 
 
 def test_two_jobs_with_the_same_name_at_once_each_run_their_own_function(client):
-    a_addr, b_addr = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a_addr, b_addr = sorted(scheduler_workers(client))
     a = run(client, _report_and_return, "A", name="same", workers=[a_addr])
     b = run(client, _report_and_return, "B", name="same", workers=[b_addr])
     assert a.run_id != b.run_id and a.run_id.startswith("same-") and b.run_id.startswith("same-")

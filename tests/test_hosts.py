@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 import dask_ddp
+from dask_ddp.cluster import scheduler_workers
 
 from _cluster import elastic_job_past_its_first_checkpoint, first_step_after_restart, run, wait_until
 from _hosts import ip, simulated_hosts, unavailable
@@ -249,7 +250,7 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
     if came == "exited":
         hosts.start_workers(victim)
     wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
-               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               len(scheduler_workers(client)) == 6, 180, interval=0.5,
                what="6 live workers, 2 per host")
     print(f"all 6 workers live again {time.time() - t_back:.1f} s after the link came back")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
@@ -257,7 +258,7 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
 
 def _fresh(client, host, hosts) -> int:
     """How many of ``host``'s workers the scheduler heard from within the last 2 s."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = scheduler_workers(client)
     now = time.time()
     return sum(1 for a, w in info.items() if a.startswith(f"tcp://{host.address}:") and now - w["last_seen"] < 2)
 
@@ -284,7 +285,7 @@ def test_host_cut_off_past_the_tcp_timeout_leaves_and_rejoins_when_restarted(thr
     t_back = time.time()
     hosts.start_workers(victim)
     wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
-               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               len(scheduler_workers(client)) == 6, 180, interval=0.5,
                what="6 live workers, 2 per host")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
     print(f"restarted workers joined and ran a 6-rank job {time.time() - t_back:.1f} s after the link came back")
@@ -397,7 +398,7 @@ def test_all_workers_of_one_host_killed_at_once(three_hosts, tmp_path):
         _rank_processes(hosts)
     hosts.start_workers(victim)
     wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
-               len(client.scheduler_info(n_workers=-1)["workers"]) == 6, 180, interval=0.5,
+               len(scheduler_workers(client)) == 6, 180, interval=0.5,
                what="6 live workers, 2 per host")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
 

@@ -18,6 +18,7 @@ import pytest
 
 import dask_ddp
 from dask_ddp import elastic
+from dask_ddp.cluster import scheduler_workers
 from dask_ddp.outcome import RankOutcome, Status
 
 from _cluster import CliWorkers, leftover_processes, local_client, run, wait_until
@@ -180,7 +181,7 @@ def test_an_elastic_job_grows_when_a_worker_joins(tmp_path):
         job = run(c, train_steps, 400, checkpoint_dir=str(tmp_path), workers=(2, 3))
         wait_until(lambda: len(job.metrics) >= 20, 120, what="20 reports")
         c.cluster.scale(3)
-        wait_until(lambda: len(c.scheduler_info(n_workers=-1)["workers"]) == 3, 120, interval=0.1,
+        wait_until(lambda: len(scheduler_workers(c)) == 3, 120, interval=0.1,
                    what="the third worker")
         joined = time.time()
         values = job.result(timeout=300)
@@ -201,9 +202,9 @@ def test_an_adaptive_cluster_closes_idle_workers_not_the_ranks(tmp_path):
         wait_until(lambda: len(job.metrics) >= 10, 120, what="10 reports")
         ranks = set(job.plan.addresses)
         c.cluster.adapt(minimum=2, maximum=4, interval="200ms", wait_count=2)
-        wait_until(lambda: len(c.scheduler_info(n_workers=-1)["workers"]) == 2, 120, interval=0.2,
+        wait_until(lambda: len(scheduler_workers(c)) == 2, 120, interval=0.2,
                    what="adapt() to close the idle workers")
-        assert set(c.scheduler_info(n_workers=-1)["workers"]) == ranks
+        assert set(scheduler_workers(c)) == ranks
         job.result(timeout=300)
         assert states(job) == ["RUNNING", "FINISHED"], job.history
         assert leftover_processes(c) == []

@@ -11,6 +11,7 @@ import dask
 import pytest
 
 import dask_ddp
+from dask_ddp.cluster import scheduler_workers
 
 from _cluster import (elastic_job_past_its_first_checkpoint, first_step_after_restart, leftover_processes,
                       local_client, run, wait_until)
@@ -73,7 +74,7 @@ def test_sigkill_of_a_rank_process(client):
 
 @pytest.mark.slow
 def test_sigkill_of_a_dask_worker(client):
-    addr = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    addr = sorted(scheduler_workers(client))
     pids = client.run(os.getpid)
     job = run(client, kill_own_worker)
     with pytest.raises(dask_ddp.WorkerLostError, match="left the cluster") as info:
@@ -119,7 +120,7 @@ def test_frozen_machine_is_found_by_its_missing_heartbeats():
         assert took < 10, f"a frozen worker was found after {took:.1f} s"
         assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
         # the scheduler drops the killed worker, the Nanny starts a new one
-        wait_until(lambda: victim not in (w := c.scheduler_info(n_workers=-1)["workers"]) and len(w) >= 2, 60,
+        wait_until(lambda: victim not in (w := scheduler_workers(c)) and len(w) >= 2, 60,
                    interval=0.2, what="the frozen worker's replacement")
         assert run(c, lambda: 1).result(timeout=120) == [1, 1]
         assert leftover_processes(c) == []
@@ -210,7 +211,7 @@ def test_a_closing_worker_loses_none_of_the_reports_its_rank_held(tmp_path):
     243 reports, checked by making drain a no-op)."""
     path = tmp_path / "last"
     with local_client(2) as c:
-        victim = sorted(c.scheduler_info(n_workers=-1)["workers"])[0]
+        victim = sorted(scheduler_workers(c))[0]
         with dask.config.set({"ddp.events.flush-interval": 5.0}):
             job = run(c, report_and_note, str(path), workers=[victim])
         wait_until(lambda: not job.metrics.empty, 60, what="the first batch")

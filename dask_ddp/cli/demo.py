@@ -39,6 +39,7 @@ from typing import Callable, Iterator
 import dask_ddp
 
 from .. import dispatch
+from ..cluster import scheduler_workers
 from ..errors import PlanError
 from ..sinks import CSVSink
 from .common import EXIT_FAILED, add_cluster_arguments, open_client, usage_error, wait_for
@@ -165,7 +166,7 @@ def _embedded_data(stack: contextlib.ExitStack, scheduler: str | None, echo) -> 
 def _start(client, data, storage_options, checkpoint_dir, out, epochs, batch_size, lr, workers, echo):
     """List the data once, start the job with a CSV sink for its metrics; return ``(job, sink)``."""
     train_set, test_set = _datasets(data, storage_options)
-    world = workers or len(client.scheduler_info(n_workers=-1)["workers"])
+    world = workers or len(scheduler_workers(client))
     steps = epochs * math.ceil(math.ceil(len(train_set) / world) / batch_size)  # per rank: the bar's end
     echo(f"training {epochs} epochs on {world} ranks: {len(train_set)} train / {len(test_set)} test images "
          f"from {data}; checkpoints to {checkpoint_dir}")
