@@ -66,6 +66,8 @@ def _timed_hook(timing: _Timing, bucket):
             _PENDING.append((start, _cuda_event()))
         c.ddp_steps += 1
         c.last_ddp_step = t1
+        c.samples_at_ddp_step = c.samples
+        c.input_wait_at_ddp_step = c.input_wait
         value = f.value()
         return value[0] if unwrap else value
 

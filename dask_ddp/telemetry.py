@@ -49,6 +49,8 @@ class Counters:
         self.coll_wait = 0.0  # seconds from the last bucket ready to its all-reduce done
         self.ddp_steps = 0
         self.last_ddp_step = None  # perf_counter() at the latest step's all-reduce completion
+        self.samples_at_ddp_step = 0  # samples fetched up to the latest step (its batches come before its sync)
+        self.input_wait_at_ddp_step = 0.0  # input wait up to the latest step, likewise
         self.ddp_timed = False  # a DDP model carries the timing hook
 
 
@@ -126,12 +128,13 @@ def _patch_dataloader() -> None:
 
 
 class _Window:
-    """Where the previous sample with steps left each total, and each step source's (count, boundary time)."""
+    """Where the previous sample with steps left the collective wait, and each step source's count, boundary
+    time, samples and input wait at its last step."""
 
     def __init__(self):
-        self.input_wait = self.coll_wait = 0.0
-        self.samples = 0
-        self.marks: dict[str, tuple[int, float | None]] = {}
+        self.coll_wait = 0.0
+        # source -> (count, boundary time, samples, input wait) at the previous window's last step
+        self.marks: dict[str, tuple[int, float | None, int, float]] = {}
 
 
 class Sampler:
@@ -154,6 +157,7 @@ class Sampler:
         self._report_steps = 0  # distinct reported steps so far
         self._report_time = None  # time.time() of the last report
         self._report_mark = None  # perf_counter() when the last report was observed
+        self._report_samples, self._report_wait = 0, 0.0  # samples fetched and input wait when it was observed
         self._nvml = None
         self._start = time.perf_counter()  # the boundary before the first step, for a job shorter than a window
 
@@ -171,6 +175,7 @@ class Sampler:
                 self._report_time, reported = item["time"], True
         if reported:  # the last report's time on the step clock (perf_counter)
             self._report_mark = time.perf_counter() - max(0.0, time.time() - self._report_time)
+            self._report_samples, self._report_wait = self.c.samples, self.c.input_wait
         now = time.monotonic()
         if force or self.due(now):
             self._last_sample = now
@@ -189,35 +194,42 @@ class Sampler:
 
         collectives.settle(self.c)  # CUDA events of finished all-reduces become wait time
         c, p = self.c, self._prev
-        steps, span = self._steps(c, p, final)
+        steps, span, samples, waited = self._steps(c, p, final)
         item = {"kind": "telemetry", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
                 "step": self._step if self._step is not None else (c.ddp_steps or c.batches or None),
                 "steps": steps, "step_time": span / steps if steps and span > 0 else None,
-                "input_wait": _share(c.input_wait - p.input_wait, span) if c.batches and steps else None,
+                "input_wait": _share(waited, span) if c.batches and steps else None,
                 "collective_wait": _share(c.coll_wait - p.coll_wait, span) if c.ddp_timed and steps else None,
-                "samples_per_s": (c.samples - p.samples) / span if c.samples_known and steps and span > 0 else None,
+                "samples_per_s": samples / span if c.samples_known and steps and span > 0 else None,
                 "cpu_percent": float(self.proc.cpu_percent()), "rss_bytes": int(self.proc.memory_info().rss),
                 "last_report_age": None if self._report_time is None else max(0.0, time.time() - self._report_time)}
         item.update(self._gpu())
-        if steps:  # a step longer than the window: its waits add up until it ends
-            p.input_wait, p.coll_wait, p.samples = c.input_wait, c.coll_wait, c.samples
+        if steps:  # a step longer than the window: its collective wait adds up until it ends
+            p.coll_wait = c.coll_wait
         return item
 
-    def _steps(self, c: Counters, p: _Window, final: bool = False) -> tuple[int, float]:
-        """Steps since the previous window's last boundary and the time they took: DDP syncs first, then
-        reports, then batches. The first steps ever seen have no earlier boundary: their time is 0 (unknown),
-        but in the ``final`` sample, where the sampler's start stands in for it."""
+    def _steps(self, c: Counters, p: _Window, final: bool = False) -> tuple[int, float, int, float]:
+        """Steps since the previous window's last boundary, the time they took, the samples their batches held
+        and the input wait of those batches: DDP syncs first, then reports, then batches. The first steps ever
+        seen have no earlier boundary: their time is 0 (unknown), but in the ``final`` sample, where the
+        sampler's start stands in for it.
+
+        Samples and input wait are counted at the same boundaries as the steps (a step's batches are fetched
+        before its sync): counted when fetched instead, a window of two steps could hold one batch or three,
+        and its samples/s and input-wait share were off by half (seen in a 40-step test's last window)."""
         found = None
-        for name, count, mark in (("ddp", c.ddp_steps, c.last_ddp_step),
-                                  ("report", self._report_steps, self._report_mark),
-                                  ("batch", c.batches, c.last_batch)):
-            before, prev_mark = p.marks.get(name, (0, None))
+        for name, count, mark, samples, waited in (
+                ("ddp", c.ddp_steps, c.last_ddp_step, c.samples_at_ddp_step, c.input_wait_at_ddp_step),
+                ("report", self._report_steps, self._report_mark, self._report_samples, self._report_wait),
+                ("batch", c.batches, c.last_batch, c.samples, c.input_wait)):
+            before, prev_mark, prev_samples, prev_waited = p.marks.get(name, (0, None, 0, 0.0))
             if prev_mark is None and final:
                 prev_mark = self._start
-            p.marks[name] = (count, mark)
+            p.marks[name] = (count, mark, samples, waited)
             if found is None and count > before and mark is not None:
-                found = (count - before, 0.0 if prev_mark is None else mark - prev_mark)
-        return found or (0, 0.0)
+                found = (count - before, 0.0 if prev_mark is None else mark - prev_mark, samples - prev_samples,
+                         waited - prev_waited)
+        return found or (0, 0.0, 0, 0.0)
 
     def _gpu(self) -> dict:
         out = {"gpu_util": None, "gpu_mem_bytes": None, "gpu_mem_peak_bytes": None}
