@@ -14,6 +14,7 @@ within a poll interval even if the client is gone.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import tempfile
@@ -37,10 +38,17 @@ from .task import RankTask
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
 
+logger = logging.getLogger("dask_ddp")
+
 STOPPED = "stopped because another rank failed or the job was cancelled"
 ORPHANED = ("stopped because the job's client went away (closed, disconnected or died): a job lives as long as "
             "the client that started it; run(..., detach=True) keeps it running without one")
 _UNWANTED = {"cancelled", "released", "forgotten"}  # a task nobody wants any more (its client released it)
+# torch's C++ warning, with a stack of C++ frames, when the store closes under a rank's wait (rank 0 has ended):
+# its first line holds both marks, the frames follow (checked on torch 2.14; see Supervisor._pump_output)
+_STORE_GONE = ("TCPStore.cpp", "Connection was likely closed")
+_STACK_LINES = ("Exception raised from ", "frame #", "<omitting python frames>")
+PUMP_WAIT = 1.0  # seconds a finished rank's output relays may take to reach the end of its pipes
 _CLOSING = (WorkerStatus.closing, WorkerStatus.closing_gracefully)
 
 
@@ -63,6 +71,8 @@ class Supervisor:
         self._stderr_tail: deque = deque(maxlen=30)
         self._last_abort_check = 0.0
         self._stop_reason: str | None = None
+        self._abort_seen = False
+        self._pumps: list[threading.Thread] = []  # the threads relaying the rank's stdout and stderr
         self.tmpdir: str | None = None
         self._notice: dict | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
         self._started = False  # the child has its Start: a Notice may follow
@@ -90,6 +100,9 @@ class Supervisor:
         if self.child is not None:
             self.child.kill()
             stop_marked(self.task.token)  # what it started in sessions of their own, after it can start no more
+            deadline = time.monotonic() + PUMP_WAIT
+            for thread in self._pumps:  # the rank's last lines reach the relay before it stops
+                thread.join(max(0.0, deadline - time.monotonic()))
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         # The next job's spare (or zygote) starts now, not while this one trains: importing torch beside a
@@ -249,16 +262,68 @@ class Supervisor:
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _pump_output(self) -> None:
+        """Relay the rank's stdout and stderr line by line, in two threads.
+
+        One thing is left out: the warning torch prints with a stack of C++ frames when the rendezvous store
+        closes under a rank's wait (the notice watcher's, :mod:`dask_ddp.preemption`), if the rank is being
+        stopped by then. Rank 0 hosts the store, so every other rank printed it (15 lines) whenever rank 0
+        failed or was stopped first: a consequence of the stop, whose cause the job reports. Outside a stop
+        (code of the rank's own that uses a store) the warning is relayed whole.
+        """
+        def forward(name, line):
+            if name == "stderr":
+                self._stderr_tail.append(line)
+            self.relay.log(name, line)
+
+        def settle(name, held, ended=False):
+            if self._stopping_within(0.25 if ended else 0.5):
+                logger.debug("dask-ddp: rank %d: left out torch's store warning during the stop: %s", self.rank,
+                             held[0])
+                return
+            for line in held:
+                forward(name, line)
+
         def pump(stream, name):
+            held: list[str] = []  # a store warning and its frames, until the block ends
             with stream:  # closed here, at EOF: when the rank and whatever inherited the pipe have ended
                 for raw in iter(stream.readline, b""):
                     line = raw.decode(errors="replace").rstrip("\n")
-                    if name == "stderr":
-                        self._stderr_tail.append(line)
-                    self.relay.log(name, line)
+                    if held and (line.startswith(_STACK_LINES) or not line.strip()):
+                        held.append(line)
+                        continue
+                    if held:
+                        settle(name, held)
+                        held = []
+                    if all(mark in line for mark in _STORE_GONE):
+                        held = [line]
+                        continue
+                    forward(name, line)
+                if held:
+                    settle(name, held, ended=True)
         self.child.pumped = True
         for stream, name in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr")):
-            threading.Thread(target=pump, args=(stream, name), name=f"dask-ddp-{name}", daemon=True).start()
+            thread = threading.Thread(target=pump, args=(stream, name), name=f"dask-ddp-{name}", daemon=True)
+            thread.start()
+            self._pumps.append(thread)
+
+    def _stopping_within(self, wait: float) -> bool:
+        """Whether this rank's job is being stopped (its abort flag is set, or stop() was called), waiting up to
+        ``wait`` s for it. Asks the flag itself: a rank that has returned no longer watches it, yet prints the
+        store warning when a failing rank 0 closes the store under its notice watcher."""
+        deadline = time.monotonic() + wait
+        while not (self._abort_seen or self._stop_reason is not None or self._abort_flag()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _abort_flag(self) -> bool:
+        """The job's abort flag on the scheduler; an unreachable scheduler counts as set (a lone rank cannot
+        finish a job)."""
+        try:
+            return bool(self.abort.is_set())
+        except Exception:  # noqa: BLE001 - scheduler unreachable
+            return True
 
     def _aborted(self) -> bool:
         if self._stop_reason is not None:
@@ -273,10 +338,8 @@ class Supervisor:
             self._stop_reason = ORPHANED
             self._set_abort()
             return True
-        try:
-            return bool(self.abort.is_set())
-        except Exception:  # noqa: BLE001 - scheduler unreachable: treat as abort, a lone rank cannot finish a job
-            return True
+        self._abort_seen = self._abort_flag()
+        return self._abort_seen
 
     def _orphaned(self) -> bool:
         """Whether nobody wants this task any more: its client released it (closed, disconnected or died).

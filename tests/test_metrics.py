@@ -227,6 +227,65 @@ def test_plot_returns_matplotlib_axes(busy):
 
 # ---- failure ------------------------------------------------------------------------------------------------
 
+def _rank_0_fails_first(others_sleep: float):
+    if dask_ddp.get_context().rank == 0:
+        time.sleep(0.5)
+        raise ValueError("rank 0 fails")
+    time.sleep(others_sleep)
+
+
+@pytest.mark.parametrize("others", [30, 30, 30, 0, 0], ids=["stopped", "stopped-again", "stopped-3", "returned",
+                                                          "returned-again"])
+def test_when_rank_0_fails_the_others_print_no_store_stack_trace(client, others):
+    """Rank 0 hosts the store: when it failed first, every other rank's notice watcher printed torch's warning
+    with 14 lines of C++ frames into the notebook (5 of 5 jobs before; a consequence of the stop), whether the
+    other rank was still running (it is stopped) or had returned already (it waits for its watcher)."""
+    job = dispatch.run(client, _rank_0_fails_first, others, progress=False)
+    with pytest.raises(ValueError, match="rank 0 fails"):
+        job.result(timeout=60)
+    assert not [line for line in job.logs if "TCPStore" in line or "frame #" in line], job.logs
+
+
+_STORE_SERVER = ("import datetime, sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, 2, True, "
+                 "timeout=datetime.timedelta(seconds=60), wait_for_workers=False); print(s.port, flush=True); "
+                 "time.sleep(60)")
+
+
+def _own_store_closes():
+    """A rank's own code waits on a store of its own, which closes: torch's warning is its to see."""
+    import datetime
+    import subprocess
+    import threading
+
+    import torch.distributed as dist
+
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    store = dist.TCPStore("127.0.0.1", int(server.stdout.readline()), is_master=False,
+                          timeout=datetime.timedelta(days=1))
+
+    def wait():
+        try:
+            store.wait(["never"], datetime.timedelta(days=1))
+        except Exception as exc:
+            print("own wait ended:", type(exc).__name__, flush=True)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    server.kill()
+    server.wait()
+    waiter.join(10)
+    print("after the warning", flush=True)
+    return "ok"
+
+
+def test_a_store_warning_outside_a_stop_is_relayed_whole(client):
+    job = dispatch.run(client, _own_store_closes, workers=1, progress=False)
+    assert job.result(timeout=60) == ["ok"]
+    logs = job.logs
+    first = next(i for i, line in enumerate(logs) if "TCPStore" in line and "Connection was likely closed" in line)
+    assert any("frame #" in line for line in logs[first:]) and "[rank 0] after the warning" in logs
+
+
 def test_failing_rank_last_reports_arrive_and_traceback_once(client, capsys):
     job = dispatch.run(client, fails_after_reports, 7, progress=False)
     with pytest.raises(ValueError, match="rank one gave up") as info:
