@@ -19,6 +19,7 @@ from .errors import (
     JobCancelledError,
     NotInRankError,
     PlanError,
+    RankExitError,
     RankFailedError,
     RendezvousError,
     SerializationError,
@@ -50,7 +51,8 @@ def __getattr__(name: str):
 __all__ = [
     "dispatch", "attach", "DetachedJobNotFound", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state",
     "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
-    "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "WorkerLostError",
+    "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "RankExitError",
+    "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink",

@@ -15,6 +15,7 @@ __all__ = [
     "PlanError",
     "SerializationError",
     "RankFailedError",
+    "RankExitError",
     "WorkerLostError",
     "StallError",
     "JobCancelledError",
@@ -48,11 +49,31 @@ class PlanError(DaskDDPError, ValueError):
 
 
 class SerializationError(DaskDDPError, TypeError):
-    """The training function or one of its arguments cannot be pickled to ship to the workers."""
+    """The training function or one of its arguments cannot be pickled to ship to the workers, or a rank's
+    return value cannot be pickled back to the client."""
 
 
 class RankFailedError(DaskDDPError):
     """A rank ended without a Python exception of its own (killed by a signal, exited, crashed)."""
+
+
+class RankExitError(RankFailedError):
+    """A rank's function called ``sys.exit`` with a non-zero code or a message; ``code`` keeps it.
+
+    ``sys.exit()`` and ``sys.exit(0)`` are no failure: the rank returns None, as torchrun counts exit code 0.
+    """
+
+    def __init__(self, message: str, *, code=None, **kw):
+        super().__init__(message, **kw)
+        self.code = code
+
+    @staticmethod
+    def describe(code) -> str | None:
+        """How an error names ``sys.exit(code)``: ``"code 3"``, ``"message 'bye' (exit code 1)"``; None for an
+        exit that is a success (``sys.exit()``, ``sys.exit(0)``)."""
+        if code is None or code == 0:
+            return None
+        return f"code {code}" if isinstance(code, int) else f"message {code!r} (exit code 1)"
 
 
 class WorkerLostError(RankFailedError):

@@ -30,7 +30,7 @@ import cloudpickle
 from tblib import pickling_support
 
 from . import context, devices, network, preemption, reporting, telemetry
-from .errors import RankFailedError, RendezvousError
+from .errors import RankExitError, RankFailedError, RendezvousError, SerializationError
 from .messages import (Events, Failed, Flushed, FlushRequest, Notice, Port, Ready, Result, Saved, Stacks,
                        StacksRequest, Start)
 from .task import RankTask
@@ -154,13 +154,18 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
             restart_count=task.attempt, max_restarts=task.max_restarts, worker=worker,
             master_addr=task.master_addr, master_port=store.port, checkpoint_dir=task.checkpoint_dir,
             checkpoint_options=task.checkpoint_options))
-        value = fn(*args, **kwargs)
-        blob = cloudpickle.dumps(value)
+        try:
+            value = fn(*args, **kwargs)
+        except SystemExit as exc:
+            value = _exit_value(exc, rank, worker)
+        blob = _pickle_value(value, rank, worker)
         _finish(store, rank, world_size)
         message = Result(blob)
     except preemption.Preempted as exc:  # stopped at the agreed step: wait until the save is committed
         message = Saved(preemption.stopped(exc))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
+        exc = _as_exception(exc, rank, worker)
+        _add_hint(exc)
         # a broken collective on a survivor is a consequence, not a root cause
         message = Failed(_serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
     # The outcome goes out before the process group is destroyed: destroying it breaks the other ranks'
@@ -169,6 +174,64 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     chan.send(message)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _exit_value(exc: SystemExit, rank: int, worker: str) -> None:
+    """The value of a rank whose function called ``sys.exit``: None for ``sys.exit()`` and ``sys.exit(0)``
+    (torchrun counts exit code 0 as success).
+
+    Raises
+    ------
+    RankExitError
+        Any other code, or a message (Python exits with code 1 for it); the ``SystemExit`` is its cause.
+    """
+    what = RankExitError.describe(exc.code)
+    if what is None:
+        return None
+    raise RankExitError(f"the function called sys.exit with {what} on rank {rank} (worker {worker})",
+                        code=exc.code, rank=rank, worker=worker) from exc
+
+
+def _as_exception(exc: BaseException, rank: int, worker: str) -> BaseException:
+    """``exc``, or for a ``BaseException`` that is no ``Exception`` (``KeyboardInterrupt``, ``GeneratorExit``,
+    a ``SystemExit`` from outside the function) a :class:`RankFailedError` caused by it: re-raised as such in
+    the notebook, it would read as the user's own Ctrl-C or end a script, and pass ``except Exception``."""
+    if isinstance(exc, Exception):
+        return exc
+    err = RankFailedError(f"rank {rank} on worker {worker} raised {type(exc).__name__}: {exc}", rank=rank,
+                          worker=worker)
+    err.__cause__ = exc
+    return err
+
+
+def _add_hint(exc: BaseException) -> None:
+    """Add a note saying what to do to a rank's error that has a known cause in how the function was written."""
+    if isinstance(exc, ValueError) and "initialize the default process group twice" in str(exc):
+        import torch.distributed as dist
+
+        backend = dist.get_backend() if dist.is_initialized() else "?"
+        exc.add_note(f"[dask-ddp] dask-ddp initialises the process group before it calls your function (backend "
+                     f"{backend}, torchrun's environment set): remove the function's own "
+                     "dist.init_process_group(...), or call it only `if not dist.is_initialized()`. An unchanged "
+                     "torchrun script runs with `dask-ddp run script.py`.")
+
+
+def _pickle_value(value, rank: int, worker: str) -> bytes:
+    """The function's return value, pickled to go back to the client.
+
+    Raises
+    ------
+    SerializationError
+        It cannot be pickled (a lock, an open file, a generator, ...); the pickling error is its cause.
+    """
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as exc:
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        raise SerializationError(
+            f"rank {rank} on worker {worker}: the function's return value ({kind}) cannot be pickled back to the "
+            f"client: {type(exc).__name__}: {exc}. Return plain values (numbers, tensors, dicts of them); save "
+            "models and large state with dask_ddp.save_checkpoint", rank=rank, worker=worker) from exc
 
 
 def _open_store(chan: _Channel, task: RankTask, master_port: int | None):

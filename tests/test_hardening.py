@@ -370,3 +370,76 @@ def test_helpers_in_their_own_session_and_temp_files_do_not_outlive_the_rank(cli
     left = client.run(lambda: [n for n in os.listdir(__import__("dask_ddp.process").process.worker_tmp_root())
                                if n.startswith(mine)])
     assert not any(left.values()), f"rank temp folders left: {left}"
+
+
+# ---- what a training function does that a script would do -----------------------------------------------------
+
+def _exit_on_rank_1(code):
+    if dask_ddp.get_context().rank == 1:
+        sys.exit(*code)
+    return "r0"
+
+
+@pytest.mark.parametrize("code", [(), (0,), (None,)], ids=["sys.exit()", "sys.exit(0)", "sys.exit(None)"])
+def test_sys_exit_with_code_0_is_a_return_of_none(client, code):
+    """As under torchrun, a rank that exits with code 0 succeeded; its value is None. The notebook must never
+    receive SystemExit: in a script it would end the program with code 0 as if all went well."""
+    assert run(client, _exit_on_rank_1, code).result(timeout=120) == ["r0", None]
+
+
+@pytest.mark.parametrize("code, what", [((3,), "code 3"), (("bye",), "message 'bye' (exit code 1)")],
+                         ids=["3", "message"])
+def test_sys_exit_with_another_code_is_a_rank_failure_naming_rank_and_code(client, code, what):
+    with pytest.raises(dask_ddp.RankExitError) as info:
+        run(client, _exit_on_rank_1, code).result(timeout=120)
+    err = info.value
+    assert isinstance(err, dask_ddp.RankFailedError) and not isinstance(err, SystemExit)
+    assert (err.rank, err.code) == (1, code[0])
+    assert err.worker in scheduler_workers(client)
+    assert f"called sys.exit with {what} on rank 1" in str(err) and err.worker in str(err)
+    assert isinstance(err.__cause__, SystemExit), "the rank's traceback (where sys.exit was called) is kept"
+
+
+def _raise_on_rank_0(kind):
+    if dask_ddp.get_context().rank == 0:
+        raise {"KeyboardInterrupt": KeyboardInterrupt, "GeneratorExit": GeneratorExit}[kind]("from the function")
+    return "r1"
+
+
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "GeneratorExit"])
+def test_a_base_exception_in_a_rank_reaches_the_notebook_as_a_rank_failure(client, kind):
+    """A KeyboardInterrupt re-raised in the notebook would read as the user's own Ctrl-C (and escape
+    ``except Exception``): it comes back as RankFailedError naming the rank, with the original as its cause."""
+    with pytest.raises(dask_ddp.RankFailedError, match=f"rank 0 on worker .* raised {kind}") as info:
+        run(client, _raise_on_rank_0, kind).result(timeout=120)
+    assert info.value.rank == 0 and type(info.value.__cause__).__name__ == kind
+
+
+def _torchrun_style():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # what every torchrun script starts with
+    return dist.get_rank()
+
+
+def test_a_torchrun_scripts_own_init_process_group_gets_a_hint(client):
+    with pytest.raises(ValueError, match="initialize the default process group twice") as info:
+        run(client, _torchrun_style).result(timeout=120)
+    hint = "\n".join(info.value.__notes__)
+    assert "dask-ddp initialises the process group before it calls your function" in hint
+    assert "dist.is_initialized()" in hint and "dask-ddp run" in hint
+
+
+def _returns_a_lock():
+    import threading
+
+    return threading.Lock()
+
+
+def test_a_return_value_that_cannot_be_pickled_names_rank_worker_and_type(client):
+    with pytest.raises(dask_ddp.SerializationError) as info:
+        run(client, _returns_a_lock).result(timeout=120)
+    err = info.value
+    assert err.rank in (0, 1) and err.worker in scheduler_workers(client)
+    assert f"rank {err.rank} on worker {err.worker}: the function's return value (_thread.lock)" in str(err)
+    assert "cannot pickle '_thread.lock' object" in str(err)

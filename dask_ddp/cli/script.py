@@ -44,17 +44,13 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..context import get_context
-from ..errors import RankFailedError
+from ..errors import RankExitError
 
 __all__ = ["Script", "ScriptExitError", "load_script", "run_script"]
 
 
-class ScriptExitError(RankFailedError):
+class ScriptExitError(RankExitError):
     """A script called ``sys.exit`` with a non-zero code (or a message) on a rank; ``code`` keeps it."""
-
-    def __init__(self, message: str, *, code=None, **kw):
-        super().__init__(message, **kw)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -138,9 +134,9 @@ def run_script(script: Script) -> int:
         with _as_main(script) as namespace:
             exec(code, namespace)  # noqa: S102 - running the user's script is the point
     except SystemExit as exc:
-        if exc.code is None or exc.code == 0:
+        what = ScriptExitError.describe(exc.code)
+        if what is None:
             return 0
-        what = f"code {exc.code}" if isinstance(exc.code, int) else f"message {exc.code!r} (code 1)"
         raise ScriptExitError(f"{script.name} called sys.exit with {what} on rank {ctx.rank}",
                               code=exc.code, rank=ctx.rank, worker=ctx.worker) from None
     return 0
