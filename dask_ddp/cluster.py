@@ -15,13 +15,13 @@ import cloudpickle
 from distributed import Event
 
 from . import plugin
-from .errors import RankFailedError
+from .errors import ClientClosedError, RankFailedError
 from .events import TopicFeed, WorkerWatch
 from .outcome import RankOutcome, Status
 from .supervisor import forget_attempt, supervise
 from .task import RankTask
 
-__all__ = ["DaskCluster", "scheduler_workers"]
+__all__ = ["DaskCluster", "check_client", "scheduler_workers"]
 
 
 def scheduler_workers(client) -> dict[str, dict]:
@@ -38,6 +38,20 @@ def scheduler_workers(client) -> dict[str, dict]:
         The scheduler cannot be reached (the client is closing or lost its connection).
     """
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def check_client(client) -> None:
+    """Raises ClientClosedError for a client that is not connected, TypeError for one called from inside its own
+    event loop (``Client(asynchronous=True)`` in async code: its calls return coroutines that run() cannot await)."""
+    if getattr(client, "status", None) != "running":
+        raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
+                                "create a new Client(...) for the cluster")
+    if getattr(client, "asynchronous", False):
+        raise TypeError("dask-ddp's run(), warm_up() and attach() block and need the client's answers at once, but "
+                        "this client was made with asynchronous=True and is called from its event loop: call them "
+                        "in a thread, e.g. job = await asyncio.to_thread(dask_ddp.dispatch.run, client, fn), then "
+                        "await asyncio.to_thread(job.result)")
+
 
 logger = logging.getLogger("dask_ddp")
 

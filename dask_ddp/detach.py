@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import cloudpickle
 import dask
 
+from .cluster import check_client
 from .errors import DaskDDPError
 from .job import Job
 from .record import JobRecord, format_log
@@ -143,7 +144,12 @@ def attach(client, name: str, *, progress: bool | None = None) -> Follower:
     DetachedJobNotFound
         No detached job of that name or run id is known to this cluster's scheduler (it has restarted, or
         the job ended more than ``ddp.detached.keep`` jobs ago), or several running jobs share the name.
+    ClientClosedError
+        The client is not connected.
+    TypeError
+        An asynchronous client called from its event loop (call attach in a thread).
     """
+    check_client(client)
     found = client.run_on_scheduler(_find, name)
     if len(found) > 1:
         running = [f for f in found if f["state"] not in ("FINISHED", "FAILED", "CANCELLED")]

@@ -28,9 +28,9 @@ import dask
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import plan as planning
 from . import plugin
-from .cluster import scheduler_workers
 from .dashboard import install as install_dashboard
-from .errors import ClientClosedError, PlanError, SerializationError
+from .cluster import check_client, scheduler_workers
+from .errors import PlanError, SerializationError
 from . import detach as detach_module
 from .detach import attach
 from .controller import HOOKS
@@ -169,7 +169,8 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     ------
     TypeError
         ``fn`` is not callable, is a generator or async function; a callback is neither a callable nor
-        an object with callback methods; ``checkpoint_dir`` is not a path or URL.
+        an object with callback methods; ``checkpoint_dir`` is not a path or URL; ``client`` is asynchronous
+        and called from its event loop (call ``run`` in a thread: ``asyncio.to_thread``).
     SerializationError
         ``fn`` or an argument cannot be pickled (names which).
     PlanError
@@ -213,21 +214,17 @@ def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool
     ------
     ClientClosedError
         The client is not connected.
+    TypeError
+        An asynchronous client called from its event loop (call ``warm_up`` in a thread).
     PlanError
         Bad ``workers=``.
     """
-    _check_client(client)
+    check_client(client)
     timeout = _number("timeout", timeout)
     plan = planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
                               None)
     plugin.register(client)
     return client.run(plugin.warm_spare, timeout, workers=list(plan.addresses))
-
-
-def _check_client(client) -> None:
-    if getattr(client, "status", None) != "running":
-        raise ClientClosedError(f"the Dask client is not connected (status {getattr(client, 'status', None)!r}): "
-                                "create a new Client(...) for the cluster")
 
 
 def _check_function(fn) -> None:
@@ -279,7 +276,7 @@ def _run_id(name, fn_name: str) -> str:
 
 def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
                stall_timeout, max_restarts, checkpoint_dir, timeout, checkpoint_options=None) -> LaunchSpec:
-    _check_client(client)
+    check_client(client)
     _check_function(fn)
     fn_name = getattr(fn, "__name__", "fn").strip("<>") or "fn"
     run_id = _run_id(name, fn_name)

@@ -312,6 +312,23 @@ def test_closed_client():
             dispatch.run(c, train_ddp, 1)
 
 
+def test_an_asynchronous_client_in_its_event_loop_gets_a_clear_error_and_works_from_a_thread(client):
+    """Before, run() read the coroutine an asynchronous client's scheduler_info() returns as an empty cluster
+    and said "the cluster has no workers"."""
+    import asyncio
+
+    async def use():
+        async with Client(client.scheduler.address, asynchronous=True) as aclient:
+            for call in (lambda: dispatch.run(aclient, train_ddp, 1), lambda: dispatch.warm_up(aclient),
+                         lambda: dask_ddp.attach(aclient, "x")):
+                with pytest.raises(TypeError, match="asynchronous=True .* asyncio.to_thread"):
+                    call()
+            job = await asyncio.to_thread(dispatch.run, aclient, os.getpid, progress=False)  # what the error says
+            return await asyncio.to_thread(job.result, 120)
+
+    assert len(set(asyncio.run(use()))) == 2
+
+
 @pytest.mark.slow
 def test_nccl_without_gpu_fails_at_once_naming_rank_and_worker(client):
     import torch
