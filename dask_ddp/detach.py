@@ -196,6 +196,12 @@ class Follower(Job):
     def plan(self):
         return self._plan
 
+    def _interrupted(self, exc: KeyboardInterrupt) -> None:
+        """Ctrl-C while waiting on a detached job: it keeps running (it is meant to outlive the notebook)."""
+        if not self.done():
+            exc.add_note(f"[dask-ddp] interrupted: detached job {self.run_id} keeps running; "
+                         f"dask_ddp.attach(client, {self.run_id!r}).cancel() stops it")
+
     def _follow(self) -> None:
         n, interval = 0, dask.config.get("ddp.detached.poll-interval")
         while True:

@@ -141,6 +141,10 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
         Plain callables receive every event (metric and log dicts); objects may
         define ``on_start(job)``, ``on_metrics(event)``, ``on_log(event)``,
         ``on_failure(job, error)``, ``on_restart(job, attempt)``, ``on_finish(job)``.
+        They run in the job's watcher thread: ``job.cancel()`` there returns at
+        once (early stopping), ``job.result()`` gives the outcome in
+        ``on_failure``/``on_finish`` and raises RuntimeError before (it would
+        wait forever). A callback that raises is logged and disabled.
     progress : bool
         Show a progress bar in ``wait``/``result``. ``total``: steps for the bar.
     stall_timeout : float

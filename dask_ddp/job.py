@@ -27,7 +27,7 @@ from .cluster import DaskCluster
 from .controller import Attempt, Controller
 from .display import job_html
 from .progress import Progress
-from .record import JobRecord, format_log
+from .record import ENDED, JobRecord, format_log
 from .sinks import plot_metrics
 from .spec import LaunchSpec
 from .task import topic_of
@@ -108,7 +108,19 @@ class Job:
         """Block until the job ends or ``timeout`` seconds pass, with a progress bar; True if it ended.
 
         Never raises for a failed job (see :meth:`result`).
+
+        Raises
+        ------
+        KeyboardInterrupt
+            Ctrl-C, or the notebook's interrupt, while it waits: the job is cancelled first (its ranks stop
+            within a second; a detached job keeps running), and a note on the exception says so.
         """
+        if threading.current_thread() is self._thread:  # inside a callback: the thread that would end the job
+            if self._record.state in ENDED:  # on_failure / on_finish: the outcome is known
+                return True
+            raise RuntimeError(f"job {self.run_id}: wait() or result() inside one of the job's callbacks would wait "
+                               "forever (the callbacks run in the thread that drives the job): call job.cancel() "
+                               "to stop it early, and read job.state / job.metrics, or wait in on_finish")
         show = self.spec.progress if progress is None else progress
         bar = Progress(self, total=self.spec.total) if show else None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -122,6 +134,9 @@ class Job:
                     cond.wait(0.2 if left is None else min(0.2, left))
                     if bar:
                         bar.update()
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc)
+            raise
         finally:
             if bar:
                 bar.close()
@@ -141,6 +156,8 @@ class Job:
             When the job was cancelled.
         TimeoutError
             When ``timeout`` passes first (the job keeps running).
+        KeyboardInterrupt
+            Ctrl-C or the notebook's interrupt: the job is cancelled (see :meth:`wait`).
         """
         if not self.wait(timeout, progress=progress):
             raise TimeoutError(f"job {self.run_id} still {self.state} after {timeout} s; it keeps running: "
@@ -149,12 +166,28 @@ class Job:
             raise self._record.error
         return list(self._record.values)
 
-    def cancel(self, timeout: float = 30) -> None:
-        """Stop every rank (their processes are killed) and wait for them; result() then raises JobCancelledError."""
+    def _interrupted(self, exc: KeyboardInterrupt) -> None:
+        """Ctrl-C while waiting: a job the user stops watching must not go on holding its workers (and GPUs)
+        unseen, as ``dask-ddp run`` and torchrun stop theirs. Cancels without waiting (a second Ctrl-C must not
+        be needed); notes on ``exc`` what happened."""
         if self.done():
             return
         self._ctl.cancel()
-        self.wait(timeout, progress=False)
+        exc.add_note(f"[dask-ddp] interrupted: job {self.run_id} was cancelled, its ranks stop within a second "
+                     "(job.state turns CANCELLED). To keep a job running while the notebook does other work, do "
+                     "not wait on it: run() returns at once; run(..., detach=True) outlives the notebook.")
+
+    def cancel(self, timeout: float = 30) -> None:
+        """Stop every rank (their processes are killed) and wait for them; result() then raises JobCancelledError.
+
+        Inside one of the job's callbacks (early stopping in ``on_metrics``) it returns at once: the ranks are
+        stopped once the callback returns.
+        """
+        if self.done():
+            return
+        self._ctl.cancel()
+        if threading.current_thread() is not self._thread:
+            self.wait(timeout, progress=False)
 
     # ---- what the ranks sent -------------------------------------------------------------------------------
     @property

@@ -17,8 +17,10 @@ The probes at the bottom run through ``client.run`` (they take the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -181,6 +183,7 @@ class RankHost(WorkerPlugin):
         self.hubs = Hubs(worker, dask.config.get("ddp.events.max-batch-bytes"))
         worker.handlers[HANDLER] = self.hubs.receive  # the ranks of this host may send their event batches here
         sweep_tmp_roots()  # what a killed worker's ranks left in the temp folder
+        ignore_interrupts(worker)
 
     async def teardown(self, worker) -> None:
         """Stop the zygote or spare; when the worker is closing, let its ranks save for a preemption (up to
@@ -220,6 +223,31 @@ class RankHost(WorkerPlugin):
         """The supervisors running on this worker (of one attempt, if given)."""
         with self._lock:
             return [s for (aid, _), s in self.active.items() if attempt_id is None or aid == attempt_id]
+
+
+def ignore_interrupts(worker) -> bool:
+    """Make a worker process that a Nanny runs ignore SIGINT; True if it now does.
+
+    Jupyter's "interrupt kernel" sends SIGINT to the kernel's whole process group, and the worker processes of
+    a ``LocalCluster`` (or ``LocalCUDACluster``) started in the notebook are in that group: each died of the
+    KeyboardInterrupt (dask/distributed#1925), taking the job's ranks with it, and a terminal's Ctrl-C did the
+    same to the workers of a ``dask worker`` command. The Nanny owns its worker's life (it stops it on close,
+    SIGTERM or its own Ctrl-C) and never uses SIGINT for it. Left alone: a worker without a Nanny (its process
+    may be the one that must stop on Ctrl-C, or the notebook's own), one whose SIGINT handler is someone's own
+    (neither Python's default nor that of the ``asyncio.run`` the worker process runs in, which turns SIGINT
+    into a KeyboardInterrupt), and any call off the main thread. Rank processes restore the default
+    (:func:`dask_ddp.rank.serve`).
+    """
+    if getattr(worker, "nanny", None) is None or threading.current_thread() is not threading.main_thread():
+        return False
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.SIG_IGN:
+        return True
+    asyncio_run = isinstance(handler, functools.partial) and getattr(handler.func, "__name__", "") == "_on_sigint"
+    if handler is not signal.default_int_handler and not asyncio_run:
+        return False
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return True
 
 
 def register(client) -> None:

@@ -322,6 +322,8 @@ def warm_imports() -> None:
 
 def serve(fd: int) -> None:
     """Be a rank on the socket ``fd``: say Ready, wait for a Start, run that job, exit. Never returns."""
+    # as `python script.py` has it: SIGINT raises KeyboardInterrupt (the worker ignores it: plugin.ignore_interrupts)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     chan = _Channel(Connection(fd))
     chan.send(Ready(os.getpid()))
     try:

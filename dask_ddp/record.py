@@ -13,12 +13,13 @@ import threading
 import time
 from collections import deque
 
-__all__ = ["JobRecord", "format_log", "STATES"]
+__all__ = ["JobRecord", "format_log", "STATES", "ENDED"]
 
 logger = logging.getLogger("dask_ddp")
 
 #: A job's states; every transition is logged with its cause and kept in ``history``.
 STATES = ("PENDING", "RUNNING", "RESTARTING", "FINISHED", "FAILED", "CANCELLED")
+ENDED = ("FINISHED", "FAILED", "CANCELLED")  # a job in one of these states has its outcome
 
 
 def format_log(item: dict) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
 
 import pytest
 
@@ -77,6 +80,95 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
     assert run(client, lambda: "next").result(timeout=120) == ["next", "next"]  # the workers are free
 
 
+# Put into a notebook's code: prints ``word`` once its main thread waits inside dask-ddp's Job.wait, so that a
+# signal the test sends on reading it always lands in that wait (never just before it).
+WHEN_WAITING = textwrap.dedent('''
+    import sys, threading, time
+
+    def say_when_waiting(word, *extra):
+        main = threading.main_thread().ident
+
+        def waiting():
+            frame = sys._current_frames().get(main)
+            while frame is not None:
+                if frame.f_code.co_name == "wait" and "dask_ddp" in frame.f_code.co_filename:
+                    return True
+                frame = frame.f_back
+            return False
+
+        def watch():
+            while not waiting():
+                time.sleep(0.01)
+            print(word, *extra, flush=True)
+        threading.Thread(target=watch, daemon=True).start()
+''')
+
+
+INTERRUPTED_NOTEBOOK = textwrap.dedent('''
+    import json, os, sys, time
+    import psutil
+    import dask_ddp
+    from dask.distributed import Client, LocalCluster
+    from dask_ddp.plugin import rank_process_pids
+
+    def forever():
+        while True:
+            dask_ddp.report(alive=1.0)
+            time.sleep(0.05)
+
+    # the laptop case: the notebook's kernel starts its cluster, so the workers are in the kernel's process group
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        job = dask_ddp.dispatch.run(client, forever, progress=False)
+        while job.metrics.empty or job.metrics["rank"].nunique() < 2:
+            time.sleep(0.05)
+        workers = client.run(os.getpid)
+        ranks = [pid for got in client.run(rank_process_pids).values() for pid in got["running"]]
+        say_when_waiting("running")
+        try:
+            job.result()
+        except KeyboardInterrupt as exc:
+            print("interrupted", json.dumps(getattr(exc, "__notes__", [])), flush=True)
+        caught = time.monotonic()
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in ranks):
+            time.sleep(0.02)
+        print("ranks-gone", round(time.monotonic() - caught, 2), flush=True)
+        job.wait(30, progress=False)
+        print("state", job.state, flush=True)
+        print("same-workers", client.run(os.getpid) == workers, flush=True)
+        print("next", dask_ddp.dispatch.run(client, os.getpid, progress=False).result(timeout=120) != [], flush=True)
+''')
+
+
+@pytest.mark.slow
+def test_the_notebooks_interrupt_cancels_the_job_and_spares_the_workers_of_its_local_cluster():
+    """Jupyter's "interrupt kernel" sends SIGINT to the kernel's whole process group, and the worker processes of
+    a LocalCluster started in the notebook are in it: without dask-ddp's plugin each died of a KeyboardInterrupt
+    (dask/distributed#1925), the job failed with its workers lost and the cluster had none for a while. The
+    interrupt must instead cancel the job (it would hold every GPU unseen) and leave the workers as they were."""
+    proc = subprocess.Popen([sys.executable, "-c", WHEN_WAITING + INTERRUPTED_NOTEBOOK], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group: the kernel's
+    try:
+        if _line_starting(proc, "running") != ["running"]:
+            proc.kill()
+            pytest.fail(f"the notebook did not start its job: {proc.stderr.read()}")
+        os.killpg(proc.pid, signal.SIGINT)  # what jupyter_client's interrupt_kernel does
+        out, err = proc.communicate(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    said = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if " " in line}
+    assert "interrupted" in said, f"job.result() was not interrupted:\n{out}\n{err[-3000:]}"
+    assert "cancelled" in " ".join(json.loads(said["interrupted"])), said["interrupted"]
+    print(f"notebook interrupted: every rank gone {said.get('ranks-gone')} s after the KeyboardInterrupt")
+    assert float(said["ranks-gone"]) < 10
+    assert said["state"] == "CANCELLED"
+    assert said["same-workers"] == "True", f"the interrupt killed the cluster's workers:\n{err[-3000:]}"
+    assert said["next"] == "True"
+    assert "KeyboardInterrupt" not in err, err[-3000:]
+
+
 DETACHED_NOTEBOOK = textwrap.dedent('''
     import sys, time
     import dask_ddp
@@ -92,13 +184,21 @@ DETACHED_NOTEBOOK = textwrap.dedent('''
     job = dask_ddp.dispatch.run(client, steps, int(sys.argv[3]), name=sys.argv[2], detach=True, progress=False)
     while job.metrics.empty:
         time.sleep(0.05)
+    if sys.argv[4:] == ["wait"]:  # the user waits on it, then interrupts the kernel
+        say_when_waiting("running", job.run_id)
+        try:
+            job.result()
+        except KeyboardInterrupt as exc:
+            print("interrupted", " ".join(getattr(exc, "__notes__", [])), flush=True)
+        sys.exit(0)
     print("running", job.run_id, flush=True)
     time.sleep(120)  # the test kills this process: the kernel died
 ''')
 
 
 def _start_detached(client, name: str, steps: int) -> str:
-    proc = subprocess.Popen([sys.executable, "-c", DETACHED_NOTEBOOK, client.scheduler.address, name, str(steps)],
+    proc = subprocess.Popen([sys.executable, "-c", WHEN_WAITING + DETACHED_NOTEBOOK, client.scheduler.address, name,
+                             str(steps)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = _line_starting(proc, "running") or []
@@ -138,6 +238,31 @@ def test_a_detached_job_that_ended_alone_gives_its_result_to_a_later_attach(clie
     assert late.state == "FINISHED" and sorted(late.metrics["i"].unique()) == [float(i) for i in range(40)]
     again = dask_ddp.attach(client, "detached-short", progress=False)  # and again, by name, after its end
     assert again.result(timeout=30) == [0, 1] and len(again.metrics) == 80
+
+
+@pytest.mark.slow
+def test_interrupting_the_wait_for_a_detached_job_leaves_it_running(client):
+    proc = subprocess.Popen([sys.executable, "-c", WHEN_WAITING + DETACHED_NOTEBOOK, client.scheduler.address,
+                             "detached-interrupted", "100000", "wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = _line_starting(proc, "running") or []
+        if line[:1] == ["running"]:
+            proc.send_signal(signal.SIGINT)  # the notebook's interrupt, while result() waits
+        said = _line_starting(proc, "interrupted")
+        proc.wait(60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert line[:1] == ["running"] and said, proc.stderr.read()[-3000:]
+    run_id = line[1]
+    assert f"detached job {run_id} keeps running" in " ".join(said)
+    job = dask_ddp.attach(client, run_id, progress=False)
+    wait_until(lambda: job.state == "RUNNING" and len(job.metrics) > 0, 30, what="live metrics")
+    seen = job.metrics["i"].max()
+    wait_until(lambda: job.metrics["i"].max() > seen, 30, what="the ranks training on after the interrupt")
+    job.cancel()
+    wait_until(lambda: not running_ranks(client), 30, what="every rank stopped")
 
 
 def test_a_detached_job_takes_no_callbacks(client):

@@ -206,6 +206,61 @@ def test_broken_callback_is_disabled_and_changes_nothing(busy):
     assert any(e["kind"] == "log" for e in plain)
 
 
+def _steps_forever():
+    for i in range(100_000):
+        dask_ddp.report(step=i, loss=1.0 / (i + 1))
+        time.sleep(0.02)
+
+
+def test_early_stopping_from_a_callback_cancels_at_once(client):
+    """job.cancel() in on_metrics (stop once the loss is low enough): cancel() waited for the job to end, but the
+    job's end needs the thread that runs the callback, so it blocked 30 s (its timeout) with the ranks training on."""
+    seen: dict = {}
+
+    def early_stop(item):
+        if item.get("loss", 1.0) < 0.05 and "job" in seen and "took" not in seen:
+            t0 = time.monotonic()
+            seen["job"].cancel()
+            seen["took"] = time.monotonic() - t0
+            seen["stopped_at"] = time.monotonic()
+
+    seen["job"] = job = dispatch.run(client, _steps_forever, progress=False, callbacks=[early_stop])
+    with pytest.raises(dask_ddp.JobCancelledError):
+        job.result(timeout=120)
+    ended = time.monotonic() - seen["stopped_at"]
+    print(f"early stop: cancel() in the callback returned in {seen['took'] * 1000:.1f} ms, job ended {ended:.2f} s "
+          "later")
+    assert seen["took"] < 1.0 and ended < 10, seen
+    assert job.state == "CANCELLED" and leftover_processes(client) == []
+
+
+def test_result_in_a_callback_gives_the_outcome_in_on_finish_and_a_clear_error_before(client):
+    """job.result() in on_finish waited for on_finish to return: the job never ended (result() in the notebook
+    hung too). In on_finish it now gives the values; in on_metrics (the outcome not known yet) a RuntimeError."""
+    got: dict = {}
+
+    class Peek:
+        def on_metrics(self, item):
+            if "early" not in got:
+                try:
+                    got["early"] = got["job"].result()
+                except RuntimeError as exc:
+                    got["early"] = exc
+
+        def on_finish(self, job):
+            got["finish"] = job.result()
+
+    got["job"] = job = dispatch.run(client, _report_step, progress=False, callbacks=[Peek()])
+    assert job.result(timeout=60) == [0, 1]
+    assert got["finish"] == [0, 1]
+    assert isinstance(got["early"], RuntimeError) and "would wait forever" in str(got["early"])
+
+
+def _report_step():
+    dask_ddp.report(step=0, loss=1.0)
+    return dask_ddp.get_context().rank
+
+
 def test_stream_yields_every_event_then_ends(busy):
     job = busy["job"]
     seen = list(job.stream(timeout=10))
