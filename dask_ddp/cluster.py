@@ -111,6 +111,13 @@ class DaskCluster:
         forget_attempt(task, self.client)
 
     # ---- the cluster ---------------------------------------------------------------------------------------
+    def queued(self, tasks: list[RankTask]) -> dict[str, dict]:
+        """What :func:`~dask_ddp.plugin.queued_tasks` says on each worker of ``tasks`` (one ``client.run``);
+        a worker that does not answer is left out."""
+        keys = [t.key for t in tasks]
+        return self.client.run(plugin.queued_tasks, keys, workers=sorted({t.rank.address for t in tasks}),
+                               on_error="ignore")
+
     def workers(self) -> dict[str, dict]:
         """The scheduler's workers: ``{address: info}``, every one (see :func:`scheduler_workers`)."""
         return scheduler_workers(self.client)

@@ -19,6 +19,7 @@ CANCELLED) lives in the :class:`~dask_ddp.record.JobRecord`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -43,6 +44,7 @@ __all__ = ["Controller", "Attempt", "Callbacks"]
 logger = logging.getLogger("dask_ddp")
 
 DRAIN_WAIT = 5.0  # seconds an ended attempt waits for its ranks' last event batches
+QUEUED_AFTER = 10.0  # seconds into an attempt when its rank tasks are checked for waiting on a busy worker
 HOOKS = ("on_start", "on_metrics", "on_log", "on_telemetry", "on_straggler", "on_failure", "on_restart", "on_finish")
 
 
@@ -71,13 +73,15 @@ class Callbacks:
 class Attempt:
     """Live state of one attempt: its plan, tasks, futures and the outcomes seen so far."""
 
-    def __init__(self, index: int, plan: planning.RankPlan, tasks: list[RankTask], futures: list):
+    def __init__(self, index: int, plan: planning.RankPlan, tasks: list[RankTask], futures: list, launched: float):
         self.index, self.plan, self.tasks, self.futures = index, plan, tasks, futures
+        self.launched = launched  # the controller's clock() at launch
         self.outcomes: dict[int, RankOutcome] = {}
         self.lost: dict[str, float] = {}  # worker address -> time it was found gone
         self.leaving: dict[str, float] = {}  # worker address -> clock() it was retired: its ranks may be saving
         self.grow_asked = False
         self.stalled: StallError | None = None
+        self.queue_checked = False
 
     def ended(self) -> bool:
         return len(self.outcomes) == len(self.tasks)
@@ -196,7 +200,7 @@ class Controller:
     # ---- running -------------------------------------------------------------------------------------------
     def _launch(self, index: int, plan: planning.RankPlan) -> None:
         tasks = rank_tasks(self.spec, self.run_id, index, plan)
-        self.attempt = Attempt(index, plan, tasks, self.cluster.submit(tasks))
+        self.attempt = Attempt(index, plan, tasks, self.cluster.submit(tasks), self.clock())
         self.last_report.clear()  # the stall clock of each rank restarts at its first report
         if self.stragglers is not None:
             self.stragglers.reset()
@@ -238,6 +242,7 @@ class Controller:
             if outcome.failed:
                 self._abort(outcome.message or f"rank {r.rank} failed")
         self._check_stall(att)
+        self._check_queued(att)
         if att.ended():
             self.phase, self._deadline, self._backfilled = "draining", self.clock() + DRAIN_WAIT, False
 
@@ -278,6 +283,29 @@ class Controller:
         blame = policy.blame_stall(ages, live, stacks)
         att.stalled = policy.stall_error(self.run_id, blame, limit, stacks, att.plan.ranks[blame.rank].address)
         self._abort(f"rank {blame.rank} stalled")
+
+    def _check_queued(self, att: Attempt) -> None:
+        """Once an attempt, QUEUED_AFTER s in: say which rank tasks still wait for a free thread on their workers
+        (busy with other Dask work, or another job's ranks), and what runs there; else the job waits unexplained
+        (the ranks that started wait for them in the rendezvous). Asked in a thread of its own: a worker that
+        does not answer must not hold the controller."""
+        probe = getattr(self.cluster, "queued", None)
+        if att.queue_checked or probe is None or self.clock() < att.launched + QUEUED_AFTER:
+            return
+        att.queue_checked = True
+        tasks = [t for t in att.tasks if t.rank.rank not in att.outcomes]
+        if not tasks:
+            return
+
+        def ask() -> None:
+            try:
+                message = policy.queued_message(probe(tasks), {t.key: t.rank.rank for t in tasks})
+            except Exception:  # noqa: BLE001 - a hint only; the job goes on either way
+                logger.debug("dask-ddp: could not ask the workers about queued rank tasks", exc_info=True)
+                return
+            if message and self.attempt is att and not att.ended():
+                self.record.note(message)
+        threading.Thread(target=ask, name=f"dask-ddp-queued-{self.run_id}", daemon=True).start()
 
     # ---- an attempt ended ------------------------------------------------------------------------------------
     def _check_drained(self) -> None:

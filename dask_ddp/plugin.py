@@ -37,7 +37,8 @@ from .process import RankProcess, Zygote, sweep_tmp_roots, worker_tmp_root
 if TYPE_CHECKING:
     from .supervisor import Supervisor
 
-__all__ = ["RankHost", "register", "rank_process_pids", "dump_stacks", "warm_spare"]
+__all__ = ["RankHost", "register", "ignore_interrupts", "rank_process_pids", "dump_stacks", "warm_spare",
+           "queued_tasks"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -277,3 +278,15 @@ async def dump_stacks(attempt_id: str, timeout: float = 5.0, dask_worker=None) -
     sups = RankHost.of(dask_worker).running(attempt_id)
     results = await asyncio.gather(*(asyncio.to_thread(s.stacks, timeout) for s in sups))
     return {s.rank: text for s, text in zip(sups, results)}
+
+
+def queued_tasks(keys: list[str], dask_worker=None) -> dict:
+    """Which of ``keys`` this worker holds without running them (no free thread), and what its threads run.
+
+    Returns ``{"queued": [key, ...], "running": [key, ...] (the first 5), "more": n, "threads": nthreads}``;
+    run through ``client.run``.
+    """
+    state = dask_worker.state
+    queued = [k for k in keys if getattr(state.tasks.get(k), "state", None) in ("ready", "constrained")]
+    running = sorted(str(ts.key) for ts in state.executing)
+    return {"queued": queued, "running": running[:5], "more": max(0, len(running) - 5), "threads": state.nthreads}

@@ -154,3 +154,25 @@ def lost_outcome(r: RankSpec, when: float, silent: float | None = None) -> RankO
     err = WorkerLostError(f"rank {r.rank}'s worker {r.address} (name {r.name!r}) {how}; see the worker's logs, or "
                           "set max_restarts= to restart on the workers left", rank=r.rank, worker=r.address)
     return RankOutcome(r.rank, r.address, Status.LOST, error=cloudpickle.dumps(err), message=str(err), time=when)
+
+
+def queued_message(found: Mapping[str, Mapping], rank_of: Mapping[str, int]) -> str | None:
+    """What to tell the notebook about rank tasks that wait for a free thread on their workers, or None.
+
+    ``found``: per worker, what :func:`dask_ddp.plugin.queued_tasks` answered; ``rank_of``: task key -> rank.
+    """
+    parts = []
+    for address, info in sorted(found.items()):
+        ranks = sorted(rank_of[k] for k in info.get("queued", ()) if k in rank_of)
+        if not ranks:
+            continue
+        running = ", ".join(info.get("running", ())) or "nothing"
+        more = f" and {info['more']} more" if info.get("more") else ""
+        threads = info.get("threads")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on worker {address}, whose "
+                     f"{threads} thread{'' if threads == 1 else 's'} run{'s' if threads == 1 else ''} "
+                     f"{running}{more}")
+    if not parts:
+        return None
+    return ("ranks wait for a free Dask thread: " + "; ".join(parts) + ". The job starts once those tasks end "
+            "(other Dask work, or another job's ranks); cancel() stops it")

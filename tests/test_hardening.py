@@ -357,6 +357,46 @@ def test_a_reused_name_shows_only_its_own_metrics_and_logs(client):
     assert _own_columns(second.metrics) == ["second"] and len(second.metrics) == 2
 
 
+def _wait_for(gate: str) -> str:
+    from distributed import Event
+
+    Event(gate).wait(120)
+    return "done"
+
+
+def _executing(dask_worker=None) -> int:
+    return dask_worker.state.executing_count
+
+
+@pytest.mark.slow
+def test_ranks_waiting_for_a_busy_worker_are_named_with_what_holds_its_thread(client):
+    """A rank task queued behind other Dask work (or another job's ranks) on a one-thread worker: the ranks that
+    started wait in the rendezvous, and the notebook used to see a RUNNING job and nothing else for as long as
+    the other work ran (30 min, the collective timeout, when the queued rank was not rank 0)."""
+    from distributed import Event
+
+    busy_worker = sorted(scheduler_workers(client))[1]
+    gate = Event(f"gate-{uuid.uuid4().hex}", client=client)
+    key = f"other-work-{uuid.uuid4().hex[:8]}"
+    other = client.submit(_wait_for, gate.name, key=key, workers=[busy_worker], pure=False)
+    try:
+        wait_until(lambda: client.run(_executing, workers=[busy_worker])[busy_worker] == 1, 30,
+                   what="the other work running")
+        t0 = time.monotonic()
+        job = run(client, _report_and_return, "x")
+        wait_until(lambda: any("free Dask thread" in cause for *_, cause in job.history), 40,
+                   what="the notebook told why the job waits")
+        print(f"queued rank named {time.monotonic() - t0:.1f} s after run()")
+        waiting = next(r.rank for r in job.plan.ranks if r.address == busy_worker)
+        note = next(cause for *_, cause in job.history if "free Dask thread" in cause)
+        assert f"rank {waiting} on worker {busy_worker}, whose 1 thread runs {key}." in note, note
+        assert job.state == "RUNNING"
+    finally:
+        gate.set()
+    assert other.result(timeout=60) == "done"
+    assert job.result(timeout=120) == ["x", "x"]  # and the job goes on once the thread is free
+
+
 @pytest.mark.parametrize("name", ["a/b c", "ü-名前", "../../etc", "x" * 100, "-", "..."])
 def test_odd_names_make_safe_run_ids(client, name):
     job = run(client, lambda: 1, name=name)

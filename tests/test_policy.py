@@ -8,6 +8,7 @@ import pytest
 import dask_ddp
 from dask_ddp.outcome import RankOutcome, Status
 from dask_ddp.plan import RankSpec
+from dask_ddp import policy
 from dask_ddp.policy import (Decision, StallBlame, blame_stall, decide, in_collective, lost_outcome, restart_request,
                              root_cause, root_error, stall_error)
 
@@ -140,3 +141,16 @@ def test_status_is_a_str_enum():
     assert Status.OK == "ok" and str(Status.LOST) == "lost"
     assert RankOutcome(0, "w", "died").status is Status.DIED
     assert RankOutcome(0, "w", "aborted").failed is False and RankOutcome(0, "w", "died").failed is True
+
+
+def test_queued_message_names_each_waiting_rank_with_what_holds_its_worker():
+    found = {"tcp://b:2": {"queued": ["k1", "k3"], "running": ["etl-1", "etl-2"], "more": 3, "threads": 2},
+             "tcp://a:1": {"queued": ["k0"], "running": ["other-job-rank0"], "more": 0, "threads": 1},
+             "tcp://c:3": {"queued": [], "running": [], "more": 0, "threads": 1}}
+    message = policy.queued_message(found, {"k0": 0, "k1": 1, "k3": 3})
+    assert message == ("ranks wait for a free Dask thread: rank 0 on worker tcp://a:1, whose 1 thread runs "
+                       "other-job-rank0; ranks 1, 3 on worker tcp://b:2, whose 2 threads run etl-1, etl-2 and 3 more. "
+                       "The job starts once those tasks end (other Dask work, or another job's ranks); cancel() "
+                       "stops it")
+    assert policy.queued_message({"tcp://c:3": found["tcp://c:3"]}, {"k0": 0}) is None  # nothing waits: no word
+    assert policy.queued_message({"tcp://a:1": found["tcp://a:1"]}, {}) is None  # another job's keys: not ours
