@@ -27,7 +27,7 @@ import dask
 
 from . import config  # noqa: F401 - loads ddp.yaml into dask.config
 from . import plan as planning
-from . import plugin
+from . import pickling, plugin
 from .dashboard import install as install_dashboard
 from .cluster import check_client, scheduler_workers
 from .errors import PlanError, SerializationError
@@ -75,7 +75,7 @@ def _check_pickles(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
 
 def _dumps(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
     try:
-        return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+        return pickling.dumps((fn, tuple(args), dict(kwargs)))  # the user's file names kept in tracebacks
     except Exception as whole:  # noqa: BLE001 - find which part, to name it
         parts = [("the function " + getattr(fn, "__qualname__", repr(fn)), fn)]
         parts += [(f"positional argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]

@@ -347,3 +347,36 @@ def test_get_context_outside_a_rank():
         dask_ddp.get_context()
     with pytest.raises(dask_ddp.NotInRankError):
         dask_ddp.report(loss=1.0)
+
+
+# ---- what ships to the ranks ----------------------------------------------------------------------------------
+
+def test_a_function_shipped_by_value_keeps_its_file_name_in_tracebacks(tmp_path, monkeypatch):
+    """cloudpickle 3.1.3 names every function it ships by value "<dynamic-code>": a failing rank's traceback then
+    named no file and showed no source line (test_metrics and test_resilience failed on it). dask-ddp's pickling
+    keeps each code object's own file, nested functions and comprehensions included."""
+    import importlib
+    import pickle
+    import traceback
+
+    import cloudpickle
+
+    from dask_ddp import pickling
+
+    (tmp_path / "notebook_cell.py").write_text("def outer():\n    def inner():\n"
+                                               "        return [1 / 0 for _ in range(1)]\n    return inner()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cell = importlib.import_module("notebook_cell")
+    cloudpickle.register_pickle_by_value(cell)
+    try:
+        shipped = pickle.loads(pickling.dumps(cell.outer))
+    finally:
+        cloudpickle.unregister_pickle_by_value(cell)
+    assert shipped is not cell.outer
+    with pytest.raises(ZeroDivisionError) as info:
+        shipped()
+    text = "".join(traceback.format_exception(info.value))
+    where = str(tmp_path / "notebook_cell.py")
+    for line, name in ((4, "outer"), (3, "inner"), (3, "<listcomp>")):
+        assert f'File "{where}", line {line}, in {name}' in text, text
+    assert "return [1 / 0 for _ in range(1)]" in text and "<dynamic-code>" not in text
