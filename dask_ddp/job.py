@@ -115,12 +115,8 @@ class Job:
             Ctrl-C, or the notebook's interrupt, while it waits: the job is cancelled first (its ranks stop
             within a second; a detached job keeps running), and a note on the exception says so.
         """
-        if threading.current_thread() is self._thread:  # inside a callback: the thread that would end the job
-            if self._record.state in ENDED:  # on_failure / on_finish: the outcome is known
-                return True
-            raise RuntimeError(f"job {self.run_id}: wait() or result() inside one of the job's callbacks would wait "
-                               "forever (the callbacks run in the thread that drives the job): call job.cancel() "
-                               "to stop it early, and read job.state / job.metrics, or wait in on_finish")
+        if self._in_callback("wait() or result()"):  # on_failure / on_finish: the outcome is known
+            return True
         show = self.spec.progress if progress is None else progress
         bar = Progress(self, total=self.spec.total) if show else None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -165,6 +161,24 @@ class Job:
         if self._record.error is not None:
             raise self._record.error
         return list(self._record.values)
+
+    def _in_callback(self, what: str) -> bool:
+        """True inside one of the job's callbacks once the job has its outcome (on_failure, on_finish), False
+        outside them.
+
+        Raises
+        ------
+        RuntimeError
+            Inside a callback before the job's end: waiting there would wait forever, since the callbacks run in
+            the thread that drives the job.
+        """
+        if threading.current_thread() is not self._thread:
+            return False
+        if self._record.state in ENDED:
+            return True
+        raise RuntimeError(f"job {self.run_id}: {what} inside one of the job's callbacks would wait forever (the "
+                           "callbacks run in the thread that drives the job): call job.cancel() to stop it early, "
+                           "and read job.state / job.metrics, or wait in on_finish")
 
     def _interrupted(self, exc: KeyboardInterrupt) -> None:
         """Ctrl-C while waiting: a job the user stops watching must not go on holding its workers (and GPUs)
@@ -224,9 +238,17 @@ class Job:
         """Iterate over events as they arrive, from the first held, until the job ends and all are seen.
 
         A reader slower than the ranks by more than the events held skips the ones dropped meanwhile.
+
+        Raises
+        ------
+        RuntimeError
+            Inside one of the job's callbacks before its end (in ``on_finish`` it yields every event and ends).
         """
         n, deadline = 0, None if timeout is None else time.monotonic() + timeout
         record = self._record
+        if self._in_callback("stream()"):  # on_failure / on_finish: every event has arrived
+            yield from record.events_since(0)[0]
+            return
         while True:
             with record.cond:
                 while n >= record.n_events and not self.done():

@@ -236,24 +236,31 @@ def test_early_stopping_from_a_callback_cancels_at_once(client):
 
 def test_result_in_a_callback_gives_the_outcome_in_on_finish_and_a_clear_error_before(client):
     """job.result() in on_finish waited for on_finish to return: the job never ended (result() in the notebook
-    hung too). In on_finish it now gives the values; in on_metrics (the outcome not known yet) a RuntimeError."""
+    hung too). In on_finish it now gives the values; in on_metrics (the outcome not known yet) a RuntimeError.
+    job.stream() likewise: in on_metrics it waited for the end forever, in on_finish too (done() turns True only
+    after on_finish); now a RuntimeError before the end, every event in on_finish."""
     got: dict = {}
 
     class Peek:
         def on_metrics(self, item):
-            if "early" not in got:
-                try:
-                    got["early"] = got["job"].result()
-                except RuntimeError as exc:
-                    got["early"] = exc
+            for what, call in (("early", lambda: got["job"].result()),
+                               ("early_stream", lambda: next(got["job"].stream()))):
+                if what not in got:
+                    try:
+                        got[what] = call()
+                    except RuntimeError as exc:
+                        got[what] = exc
 
         def on_finish(self, job):
             got["finish"] = job.result()
+            got["streamed"] = list(job.stream(timeout=10))
 
     got["job"] = job = dispatch.run(client, _report_step, progress=False, callbacks=[Peek()])
     assert job.result(timeout=60) == [0, 1]
     assert got["finish"] == [0, 1]
-    assert isinstance(got["early"], RuntimeError) and "would wait forever" in str(got["early"])
+    for what in ("early", "early_stream"):
+        assert isinstance(got[what], RuntimeError) and "would wait forever" in str(got[what]), got[what]
+    assert got["streamed"] == job.events and any(e["kind"] == "metric" for e in got["streamed"])
 
 
 def _report_step():
