@@ -44,6 +44,7 @@ logger = logging.getLogger("dask_ddp")
 
 NAME = RANK_HOST  # "dask-ddp"
 _CLOSING = (Status.closing, Status.closed, Status.failed)
+STOP_WAIT = 3.0  # seconds a closing worker waits for its ranks' supervisors to relay what the ranks hold (1 s each)
 
 
 class Launcher:
@@ -189,15 +190,28 @@ class RankHost(WorkerPlugin):
     async def teardown(self, worker) -> None:
         """Stop the zygote or spare; when the worker is closing, let its ranks save for a preemption (up to
         ``ddp.preemption.grace-period``, see :mod:`dask_ddp.leaving`), then stop them (nothing outlives it)."""
-        if getattr(worker, "status", None) in _CLOSING:  # before the zygote goes: its forked ranks die with it
+        closing = getattr(worker, "status", None) in _CLOSING
+        if closing:  # before the zygote goes: its forked ranks die with it
             await drain(self, f"worker {getattr(worker, 'address', '?')} is closing (retire_workers, a scale-down "
                               "or close)")
+            await self.stop_ranks("its Dask worker is closing")
         self.launcher.close()
         self.hubs.close()
-        if getattr(worker, "status", None) in _CLOSING:
-            for sup in self.running():
-                sup.stop("its Dask worker is closing")
+        if closing:
             shutil.rmtree(worker_tmp_root(), ignore_errors=True)  # its ranks' TMPDIRs, whatever is left
+
+    async def stop_ranks(self, reason: str, wait: float = STOP_WAIT) -> None:
+        """Stop every rank on this worker: each supervisor relays what its rank holds, then kills it (see
+        :meth:`Supervisor.stop <dask_ddp.supervisor.Supervisor.stop>`); after ``wait`` s the rest are killed.
+        Nothing outlives the worker, and what the ranks reported reaches the scheduler before its stream closes."""
+        sups = self.running()
+        for sup in sups:
+            sup.stop(reason)
+        deadline = time.monotonic() + wait
+        while not all(s.ended.is_set() for s in sups) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for sup in sups:
+            sup.kill()
 
     def __getstate__(self) -> dict:
         return {}

@@ -73,6 +73,7 @@ class Supervisor:
         self._stop_reason: str | None = None
         self._abort_seen = False
         self._pumps: list[threading.Thread] = []  # the threads relaying the rank's stdout and stderr
+        self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
         self._notice: dict | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
         self._started = False  # the child has its Start: a Notice may follow
@@ -116,11 +117,21 @@ class Supervisor:
             self._set_abort()
         if self._stop_reason == ORPHANED and self.rank == 0:
             forget_attempt(self.task)  # no client is left to do it
+        self.ended.set()
         return outcome
 
     def stop(self, reason: str) -> None:
-        """Stop the rank from another thread (the worker is closing): the run returns ABORTED."""
+        """Stop the rank from another thread (its worker is closing); the run returns ABORTED.
+
+        The supervisor's own thread ends it within a poll: it first asks the rank for the reports and lines it
+        holds (up to 1 s, :meth:`_collect_held_events`), then kills it; :attr:`ended` is set once all is relayed.
+        A rank of code that cannot save declines a closing worker's notice at once, and killing it here lost what
+        it had gathered since its last flush. :meth:`kill` ends it at once.
+        """
         self._stop_reason = reason
+
+    def kill(self) -> None:
+        """Kill the rank's process now (what :meth:`stop` did not end in time)."""
         if self.child is not None:
             self.child.kill()
 
