@@ -80,15 +80,20 @@ class DaskCluster:
                                    pure=False, retries=0) for t in tasks]
 
     def outcome(self, future, task: RankTask) -> RankOutcome | None:
-        """The rank's outcome once its task is done, else None. A task that failed becomes an ERROR outcome."""
+        """The rank's outcome once its task is done, else None. A task that failed becomes an ERROR outcome (a
+        ClientClosedError when the client was closed under it)."""
         if not future.done():
             return None
         try:
             return future.result(timeout=5)
         except BaseException as exc:  # noqa: BLE001 - the supervisor never raises: this is Dask's own failure
             r = task.rank
-            err = RankFailedError(f"the task of rank {r.rank} on worker {r.address} failed: {exc!r}",
-                                  rank=r.rank, worker=r.address)
+            if self.client_closed():  # the user's own client.close(): no rank failed
+                where = f" (rank {r.rank} on worker {r.address})"
+                err = ClientClosedError.of_job(task.run_id, where, rank=r.rank, worker=r.address)
+            else:
+                err = RankFailedError(f"the task of rank {r.rank} on worker {r.address} failed: {exc!r}",
+                                      rank=r.rank, worker=r.address)
             return RankOutcome(r.rank, r.address, Status.ERROR, error=cloudpickle.dumps(err), message=str(err))
 
     def cancel(self, future) -> None:
@@ -117,6 +122,10 @@ class DaskCluster:
         keys = [t.key for t in tasks]
         return self.client.run(plugin.queued_tasks, keys, workers=sorted({t.rank.address for t in tasks}),
                                on_error="ignore")
+
+    def client_closed(self) -> bool:
+        """Whether the client was closed (or lost its scheduler) under the job."""
+        return getattr(self.client, "status", None) != "running"
 
     def workers(self) -> dict[str, dict]:
         """The scheduler's workers: ``{address: info}``, every one (see :func:`scheduler_workers`)."""

@@ -29,7 +29,7 @@ import dask
 from . import elastic, policy, preemption
 from . import plan as planning
 from .dashboard import jobs as dashboard_jobs
-from .errors import DaskDDPError, JobCancelledError, StallError
+from .errors import ClientClosedError, DaskDDPError, JobCancelledError, StallError
 from .events import EventOrder
 from .liveness import SilenceWatch
 from .outcome import RankOutcome, Status
@@ -131,9 +131,13 @@ class Controller:
             while not self.step():
                 pass
         except Exception as exc:  # a bug here must not leave ranks running or result() hanging
-            logger.exception("dask-ddp job watcher failed")
+            if self.cluster.client_closed():  # the user's client.close(): the ranks stop as orphans
+                error: Exception = ClientClosedError.of_job(self.run_id)
+            else:
+                logger.exception("dask-ddp job watcher failed")
+                error = DaskDDPError(f"dask-ddp's job watcher failed: {exc!r}; the ranks were stopped")
             self._abort(f"the job watcher failed: {exc!r}")
-            self._end("FAILED", DaskDDPError(f"dask-ddp's job watcher failed: {exc!r}; the ranks were stopped"))
+            self._end("FAILED", error)
         finally:
             self.cluster.close()
 

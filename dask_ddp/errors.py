@@ -101,4 +101,10 @@ class NotInRankError(DaskDDPError, RuntimeError):
 
 
 class ClientClosedError(DaskDDPError, RuntimeError):
-    """The Dask client given to ``run`` is closed or not connected."""
+    """The Dask client given to ``run`` is closed or not connected, or was closed while its job ran."""
+
+    @classmethod
+    def of_job(cls, run_id: str, where: str = "", **kw) -> "ClientClosedError":
+        """The error of job ``run_id`` whose client was closed under it (``where``: which rank saw it)."""
+        return cls(f"the Dask client closed while job {run_id} ran: its ranks were stopped{where}. A job lives as "
+                   "long as the client that started it; run(..., detach=True) keeps it running without one", **kw)

@@ -74,6 +74,9 @@ class FakeCluster:
     def workers(self):
         return self.scheduler_workers
 
+    def client_closed(self):
+        return False
+
     def removed(self):
         out, self.gone = self.gone, []
         return out
@@ -367,6 +370,21 @@ def test_a_bug_in_the_controller_still_stops_the_ranks_and_ends_the_job():
     cluster.outcome = broken
     ctl.run()
     assert record.state == "FAILED" and "job watcher failed" in str(record.error)
+    assert cluster.aborted == ["job-1-0"] and cluster.closed
+
+
+def test_a_client_closed_under_the_job_ends_it_with_client_closed_error_not_a_watcher_bug():
+    """client.close() in the notebook mid-job: the controller's next call to the cluster fails. That is the user's
+    own close, not a bug of dask-ddp's (before: "dask-ddp's job watcher failed: CommClosedError(...)")."""
+    ctl, cluster, clock, record = make()
+
+    def closed(future, task):
+        raise OSError("Comm already closed")
+
+    cluster.outcome, cluster.client_closed = closed, lambda: True
+    ctl.run()
+    assert record.state == "FAILED" and isinstance(record.error, dask_ddp.ClientClosedError), record.error
+    assert "the Dask client closed while job job-1 ran" in str(record.error)
     assert cluster.aborted == ["job-1-0"] and cluster.closed
 
 

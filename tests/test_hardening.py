@@ -37,6 +37,10 @@ NOTEBOOK = textwrap.dedent('''
     if sys.argv[2] == "close":
         client.close()
         print("closed", flush=True)
+        try:
+            job.result(timeout=30)
+        except Exception as exc:
+            print("result", type(exc).__name__, " ".join(str(exc).split()), flush=True)
         time.sleep(60)
     else:
         time.sleep(60)  # the test kills this process
@@ -66,6 +70,11 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
         assert len(running_ranks(client)) == 2
         if how == "close":
             assert _line_starting(proc, "closed") == ["closed"]
+            # what the notebook is told: its own client closed, not that a rank failed (before: RankFailedError
+            # "the task of rank 0 ... failed: FutureCancelledError()")
+            said = " ".join(_line_starting(proc, "result") or [])
+            assert said.startswith("result ClientClosedError the Dask client closed while job forever-"), said
+            assert "detach=True" in said, said
         else:
             proc.send_signal(signal.SIGKILL)
         gone_at = time.monotonic()
