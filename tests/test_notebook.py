@@ -73,3 +73,26 @@ def test_notebook_runs_end_to_end(kernel_name, tmp_path):
     assert "e+09" not in _text(tail.outputs[0]) and "elapsed" in _text(tail.outputs[0])
     plot = next(c for c in code if "job.plot(" in c.source)
     assert any("image/png" in o.get("data", {}) for o in plot.outputs), "job.plot() drew no figure"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_shows_the_notebook_cells_line_in_its_traceback(kernel_name, tmp_path):
+    """A function defined in a cell ships by value; cloudpickle 3.1.3 names it "<dynamic-code>", and the
+    traceback the notebook got for a failing rank named no file and showed no line of the cell."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        "import traceback\nimport dask_ddp\nfrom dask.distributed import Client, LocalCluster\n"
+        "cluster = LocalCluster(n_workers=2, threads_per_worker=1, host='127.0.0.1', dashboard_address=None)\n"
+        "client = Client(cluster)",
+        "def train():\n    rank = dask_ddp.get_context().rank\n"
+        "    raise ValueError(f'diverged on rank {rank}')  # the line the user must see",
+        "try:\n    dask_ddp.dispatch.run(client, train, progress=False).result(timeout=120)\n"
+        "except ValueError:\n    print(traceback.format_exc())",
+        "client.close(); cluster.close()",
+    )]
+    nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "".join(_text(o) for o in nb.cells[2].outputs)
+    assert "raise ValueError(f'diverged on rank {rank}')  # the line the user must see" in text, text
+    assert re.search(r'File "[^"]*ipykernel[^"]*", line 3, in train', text), text
+    assert "<dynamic-code>" not in text
