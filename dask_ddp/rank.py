@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 from tblib import pickling_support
 
-from . import context, devices, network, preemption, reporting, telemetry
+from . import context, devices, network, pickling, preemption, reporting, telemetry
 from .errors import RankExitError, RankFailedError, RendezvousError, SerializationError
 from .messages import (Events, Failed, Flushed, FlushRequest, Notice, Port, Ready, Result, Saved, Stacks,
                        StacksRequest, Start)
@@ -132,6 +132,7 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     try:
         os.environ.update(task.env)
         fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
+        pickling.expose_main(fn, *args, *kwargs.values())  # the notebook's functions, as __main__.<name>
         pinned = network.pin_interfaces(spec.host)
         store = _open_store(chan, task, master_port)
         if rank == 0 and pinned:  # worth a line in the notebook only where the interface matters: across hosts

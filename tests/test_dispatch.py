@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -380,3 +381,20 @@ def test_a_function_shipped_by_value_keeps_its_file_name_in_tracebacks(tmp_path,
     for line, name in ((4, "outer"), (3, "inner"), (3, "<listcomp>")):
         assert f'File "{where}", line {line}, in {name}' in text, text
     assert "return [1 / 0 for _ in range(1)]" in text and "<dynamic-code>" not in text
+
+
+def test_expose_main_sets_only_top_level_names_the_ranks_main_lacks(monkeypatch):
+    import types
+
+    from dask_ddp import pickling
+
+    rank_main = types.ModuleType("__main__")
+    rank_main.main = "the rank's own"
+    monkeypatch.setitem(sys.modules, "__main__", rank_main)
+    notebook: dict = {"__name__": "__main__"}
+    exec("class Scale:\n    pass\n\ndef square(x):\n    return x * x\n\ndef main():\n    pass\n\n"
+         "def train():\n    def inner():\n        pass\n    return square, Scale, main, inner\n", notebook)
+    assert sorted(pickling.expose_main(notebook["train"])) == ["Scale", "square", "train"]
+    assert rank_main.square is notebook["square"] and rank_main.Scale is notebook["Scale"]
+    assert rank_main.main == "the rank's own"  # never replaced
+    assert not hasattr(rank_main, "inner") and pickling.expose_main(print, 3) == []

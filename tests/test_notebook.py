@@ -76,9 +76,11 @@ def test_notebook_runs_end_to_end(kernel_name, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_shows_the_notebook_cells_line_in_its_traceback(kernel_name, tmp_path):
-    """A function defined in a cell ships by value; cloudpickle 3.1.3 names it "<dynamic-code>", and the
-    traceback the notebook got for a failing rank named no file and showed no line of the cell."""
+def test_functions_defined_in_cells_work_on_the_ranks_as_in_the_notebook(kernel_name, tmp_path):
+    """A cell's functions ship by value. cloudpickle 3.1.3 names them "<dynamic-code>": the traceback the notebook
+    got for a failing rank named no file and showed no line of the cell. And a rank that hands one of them to a
+    multiprocessing Pool (as the notebook itself can) failed: "Can't pickle <function square>: attribute lookup
+    square on __main__ failed", since the rank's __main__ is not the notebook's."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in (
         "import traceback\nimport dask_ddp\nfrom dask.distributed import Client, LocalCluster\n"
@@ -88,6 +90,11 @@ def test_a_failing_rank_shows_the_notebook_cells_line_in_its_traceback(kernel_na
         "    raise ValueError(f'diverged on rank {rank}')  # the line the user must see",
         "try:\n    dask_ddp.dispatch.run(client, train, progress=False).result(timeout=120)\n"
         "except ValueError:\n    print(traceback.format_exc())",
+        "import multiprocessing\n\nclass Scale:\n    def __init__(self, k):\n        self.k = k\n\n"
+        "def square(x):\n    return x * x\n\n"
+        "def preprocess():\n    with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+        "        return pool.map(square, range(4)), pool.map(Scale, [2])[0].k\n\n"
+        "print('pool', dask_ddp.dispatch.run(client, preprocess, progress=False).result(timeout=120))",
         "client.close(); cluster.close()",
     )]
     nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,
@@ -96,3 +103,5 @@ def test_a_failing_rank_shows_the_notebook_cells_line_in_its_traceback(kernel_na
     assert "raise ValueError(f'diverged on rank {rank}')  # the line the user must see" in text, text
     assert re.search(r'File "[^"]*ipykernel[^"]*", line 3, in train', text), text
     assert "<dynamic-code>" not in text
+    pool = "".join(_text(o) for o in nb.cells[3].outputs)
+    assert "pool [([0, 1, 4, 9], 2), ([0, 1, 4, 9], 2)]" in pool, nb.cells[3].outputs
