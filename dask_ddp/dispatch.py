@@ -225,10 +225,15 @@ def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool
     """
     check_client(client)
     timeout = _number("timeout", timeout)
-    plan = planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
-                              None)
+    plan = _plan(client, workers)
     plugin.register(client)
     return client.run(plugin.warm_spare, timeout, workers=list(plan.addresses))
+
+
+def _plan(client, workers: Any, master_addr: str | None = None) -> planning.RankPlan:
+    """Choose ``workers=`` among every worker the scheduler has now and give each a rank (raises PlanError)."""
+    return planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
+                              master_addr)
 
 
 def _check_function(fn) -> None:
@@ -297,8 +302,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise PlanError(f"total={total!r}: expected a positive int or None")
     call = _check_pickles(fn, args, kwargs)
-    plan = planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
-                              master_addr)
+    plan = _plan(client, workers, master_addr)
     return LaunchSpec(
         call=call, fn_name=fn_name, run_id=run_id, first_plan=plan, workers=workers,
         backend=backend, master_addr=master_addr, name=name,
