@@ -53,7 +53,8 @@ def dumps(obj) -> bytes:
 
 def expose_main(*objects) -> list[str]:
     """In a rank: make the functions and classes of the notebook's (or script's) ``__main__`` that ``objects``
-    are or use findable as ``__main__.<name>``, as they are in the notebook; return the names set.
+    are, are instances of, or use, findable as ``__main__.<name>``, as they are in the notebook; return the names
+    set.
 
     They ship by value, so in the rank they live only in the shipped functions' globals, while standard pickle
     finds a function or class by module and name: a ``multiprocessing.Pool`` (fork) given one of them failed
@@ -62,7 +63,7 @@ def expose_main(*objects) -> list[str]:
     main = sys.modules["__main__"]
     found: dict[str, object] = {}
     for obj in objects:
-        for value in [obj, *(getattr(obj, "__globals__", None) or {}).values()]:
+        for value in [obj, type(obj), *(getattr(obj, "__globals__", None) or {}).values()]:
             if _of_main(value):
                 found.setdefault(value.__qualname__, value)
     names = [name for name in found if not hasattr(main, name)]

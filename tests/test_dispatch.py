@@ -392,9 +392,11 @@ def test_expose_main_sets_only_top_level_names_the_ranks_main_lacks(monkeypatch)
     rank_main.main = "the rank's own"
     monkeypatch.setitem(sys.modules, "__main__", rank_main)
     notebook: dict = {"__name__": "__main__"}
-    exec("class Scale:\n    pass\n\ndef square(x):\n    return x * x\n\ndef main():\n    pass\n\n"
-         "def train():\n    def inner():\n        pass\n    return square, Scale, main, inner\n", notebook)
-    assert sorted(pickling.expose_main(notebook["train"])) == ["Scale", "square", "train"]
+    exec("class Scale:\n    pass\n\nclass Data:\n    pass\n\ndef square(x):\n    return x * x\n\n"
+         "def main():\n    pass\n\n"
+         "def train(data):\n    def inner():\n        pass\n    return square, Scale, main, inner\n", notebook)
+    data = notebook["Data"]()  # an argument of the job, of a class defined in the notebook
+    assert sorted(pickling.expose_main(notebook["train"], data)) == ["Data", "Scale", "square", "train"]
     assert rank_main.square is notebook["square"] and rank_main.Scale is notebook["Scale"]
     assert rank_main.main == "the rank's own"  # never replaced
     assert not hasattr(rank_main, "inner") and pickling.expose_main(print, 3) == []
