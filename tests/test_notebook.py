@@ -39,12 +39,16 @@ def _text(output) -> str:
     return data.get("text/plain", "") + data.get("text/html", "")
 
 
+def _execute(nb, kernel_name: str, tmp_path) -> None:
+    """Run every cell of ``nb`` in a real kernel, in ``tmp_path``, as Jupyter would (outputs land in ``nb``)."""
+    nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+
 @pytest.mark.slow
 def test_notebook_runs_end_to_end(kernel_name, tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    _execute(nb, kernel_name, tmp_path)
 
     code = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
@@ -97,8 +101,7 @@ def test_functions_defined_in_cells_work_on_the_ranks_as_in_the_notebook(kernel_
         "print('pool', dask_ddp.dispatch.run(client, preprocess, progress=False).result(timeout=120))",
         "client.close(); cluster.close()",
     )]
-    nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=240,
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    _execute(nb, kernel_name, tmp_path)
     text = "".join(_text(o) for o in nb.cells[2].outputs)
     assert "raise ValueError(f'diverged on rank {rank}')  # the line the user must see" in text, text
     assert re.search(r'File "[^"]*ipykernel[^"]*", line 3, in train', text), text
