@@ -163,7 +163,7 @@ def write_script(folder: str) -> str:
 
 def _spare_state(dask_worker=None) -> str:
     """'ready' when this worker's zygote (or, with ddp.zygote false, its spare) has imported torch."""
-    from dask_ddp.plugin import RankHost
+    from dask_ddp.worker.plugin import RankHost
 
     return "ready" if RankHost.of(dask_worker).launcher.wait_ready(0.05) else "starting"
 

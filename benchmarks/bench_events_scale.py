@@ -8,7 +8,7 @@ Usage::
 
 A real ``dask scheduler`` process (its CPU read with psutil), a real client in
 this process subscribed to the job's topic through dask-ddp's own
-:class:`dask_ddp.events.TopicFeed` (as a notebook is), and N senders: real
+:class:`dask_ddp.client.events.TopicFeed` (as a notebook is), and N senders: real
 Dask workers (``Worker(..., nthreads=1)``, several in each of a few sender
 processes, no torch) that each publish one event batch per interval with
 ``worker.log_event`` on the job's topic, shaped as a rank's Relay publishes
@@ -21,7 +21,7 @@ one telemetry item and 2 log lines, about 1.5 KiB). For each N:
    scheduler CPU over idle, divided by the batches the client received, is
    the scheduler's CPU per batch (``c``); the client's CPU per batch too.
 
-The rule (dask_ddp.task.flush_interval_for): a job sends at most
+The rule (dask_ddp.wire.task.flush_interval_for): a job sends at most
 ``max-batches-per-second`` (``B``, 60) batches a second in all. Up to ``B``
 ranks every rank flushes every ``flush-interval`` (1 s); past that rank 0
 keeps that interval (the notebook's live view) and the others flush every
@@ -108,8 +108,8 @@ def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: fl
             per_event: int = 1) -> dict:
     """Scheduler and client CPU for ``n`` senders each publishing an event of ``per_event`` rank batches every
     ``interval`` s (the client's feed unpacks hub events: it counts rank batches)."""
-    from dask_ddp.cluster import scheduler_workers
-    from dask_ddp.events import TopicFeed
+    from dask_ddp.client.cluster import scheduler_workers
+    from dask_ddp.client.events import TopicFeed
 
     topic = f"ddp-bench-{n}-{int(interval * 1000)}-{per_event}"
     control = tempfile.mktemp(prefix="ddp-bench-ctl-")
@@ -157,7 +157,7 @@ def _hub_interval(hosts: int, per_host: int, flush: float, budget: float) -> flo
     """What dask-ddp's rule (task.hub_plan) gives the hubs other than rank 0's: a synthetic plan of that shape."""
     from _cluster import synthetic_plan
 
-    from dask_ddp.task import hub_plan
+    from dask_ddp.wire.task import hub_plan
 
     plan = synthetic_plan(hosts, per_host)
     return hub_plan(plan, flush, budget, per_host=True)[plan.world_size - 1][1]
@@ -173,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     from distributed import Client
 
-    from dask_ddp.task import HUB_COST_PER_RANK, flush_interval_for
+    from dask_ddp.wire.task import HUB_COST_PER_RANK, flush_interval_for
 
     port = 40000 + os.getpid() % 20000
     sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",

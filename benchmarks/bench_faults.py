@@ -117,7 +117,7 @@ def _host_pid() -> int:
     import psutil
 
     parent = psutil.Process(os.getppid())
-    return parent.ppid() if any("dask_ddp.zygote" in part for part in parent.cmdline()) else parent.pid
+    return parent.ppid() if any("dask_ddp.rank.zygote" in part for part in parent.cmdline()) else parent.pid
 
 
 def train(steps=60, fault="none", fault_step=25, ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="",
@@ -390,7 +390,7 @@ def _worker_children(dask_worker=None):
     import psutil
 
     try:
-        from dask_ddp.plugin import RankHost
+        from dask_ddp.worker.plugin import RankHost
 
         spare = set(RankHost.of(dask_worker).launcher.pids())
     except Exception:  # noqa: BLE001
@@ -580,7 +580,7 @@ def restarted(log_dir: str) -> bool:
 
 
 def run_dpd(args, fault, log_dir, ckpt_dir) -> Run:
-    from dask_ddp.cluster import scheduler_workers
+    from dask_ddp.client.cluster import scheduler_workers
 
     run = Run("dpd", fault)
     with Cluster() as client:

@@ -5,8 +5,8 @@ Usage::
     python benchmarks/bench_plan.py [--repeats 9] [--out benchmarks/RESULTS_plan.md]
 
 What dispatch does before anything ships: read the workers out of
-the scheduler's identity (:func:`dask_ddp.plan.workers_from_scheduler_info`)
-and give each a rank (:func:`dask_ddp.plan.make_plan`). The view is built in
+the scheduler's identity (:func:`dask_ddp.wire.plan.workers_from_scheduler_info`)
+and give each a rank (:func:`dask_ddp.wire.plan.make_plan`). The view is built in
 memory with the shape the scheduler gives (address -> ``{"host", "name"}``), 8
 workers a host named like dask-cuda's (``gpu0``..``gpu7``), in a shuffled order,
 for 10, 100, 1,000 and 10,000 workers. Times are the best of ``--repeats``
@@ -22,7 +22,7 @@ import random
 import time
 from pathlib import Path
 
-from dask_ddp import plan
+from dask_ddp.wire import plan
 
 SIZES = (10, 100, 1_000, 10_000)
 

@@ -201,7 +201,7 @@ def dask_ddp_case(args, case: str, root: str) -> dict:
     from dask.distributed import Client, LocalCluster
 
     from dask_ddp import dispatch
-    from dask_ddp.cluster import scheduler_workers
+    from dask_ddp.client.cluster import scheduler_workers
 
     log_dir, ckpt = os.path.join(root, case, "log"), os.path.join(root, case, "ckpt")
     os.makedirs(log_dir)

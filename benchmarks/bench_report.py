@@ -45,8 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-import dask_ddp
 from bench_report_cpu import Sampler, publish
+
+import dask_ddp
 
 # ---- run on the ranks ------------------------------------------------------------------------------------------
 
@@ -157,7 +158,7 @@ def paced(rate, seconds):
 
 
 def _spare_ready(dask_worker=None) -> str:
-    from dask_ddp.plugin import RankHost
+    from dask_ddp.worker.plugin import RankHost
 
     return "ready" if RankHost.of(dask_worker).launcher.wait_ready(0.05) else "starting"
 

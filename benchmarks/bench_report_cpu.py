@@ -69,7 +69,7 @@ class Sampler(threading.Thread):
             for proc in [me] + me.children(recursive=True):
                 try:
                     label = "client+scheduler" if proc.pid == me.pid else " ".join(proc.cmdline()[-3:])
-                    label = "rank process" if "dask_ddp.rank" in label else label
+                    label = "rank process" if "dask_ddp.rank.main" in label else label
                     label = "worker process" if "multiprocessing" in label else label
                     for tid in os.listdir(f"/proc/{proc.pid}/task"):
                         if int(tid) == mine:

@@ -59,11 +59,11 @@ def torchrun(n: int, script: str, steps: int) -> dict:
 
 
 def zygote_memory(client) -> tuple[float, float]:
-    """Mean RSS and USS (MiB) of the workers' zygotes (children of the worker processes running dask_ddp.zygote)."""
+    """Mean RSS and USS (MiB) of the workers' zygotes (children of the worker processes running dask_ddp.rank.zygote)."""
     rss, uss = [], []
     for pid in client.run(os.getpid).values():
         for kid in psutil.Process(pid).children():
-            if "dask_ddp.zygote" in " ".join(kid.cmdline()):
+            if "dask_ddp.rank.zygote" in " ".join(kid.cmdline()):
                 info = kid.memory_full_info()
                 rss.append(info.rss / 2**20)
                 uss.append(info.uss / 2**20)

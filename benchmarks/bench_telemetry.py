@@ -35,9 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-import dask_ddp
 from bench_report import _mean_ci, pct, run_job
 from bench_report_cpu import publish
+
+import dask_ddp
 
 
 def step_overhead(blocks, steps):
@@ -50,7 +51,7 @@ def step_overhead(blocks, steps):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, TensorDataset, dataloader
 
-    from dask_ddp import telemetry
+    from dask_ddp.rank import telemetry
 
     torch.set_num_threads(1)
     ctx = dask_ddp.get_context()

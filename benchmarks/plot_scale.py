@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
     import yaml
 
-    from dask_ddp.task import HUB_COST_PER_RANK
+    from dask_ddp.wire.task import HUB_COST_PER_RANK
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(HERE / "scale.png"))

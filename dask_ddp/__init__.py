@@ -10,10 +10,27 @@ so it imports neither torch nor the client's machinery until they are used.
 
 import importlib
 
-from . import config  # noqa: F401 - loads ddp.yaml into dask.config
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .context import Context, all_reduce_mean, get_context, rank_zero_first, seed_everything
-from .errors import (
+from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
+from dask_ddp.data.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from dask_ddp.observe.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
+from dask_ddp.rank.context import (
+    Context,
+    all_reduce_mean,
+    get_context,
+    rank_zero_first,
+    seed_everything,
+)
+from dask_ddp.rank.preemption import Preempted, on_preemption, preempted
+from dask_ddp.rank.reporting import report
+from dask_ddp.rank.telemetry import timed
+from dask_ddp.wire.errors import (
     ClientClosedError,
     DaskDDPError,
     JobCancelledError,
@@ -26,18 +43,15 @@ from .errors import (
     StallError,
     WorkerLostError,
 )
-from .preemption import Preempted, on_preemption, preempted
-from .reporting import report
-from .sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
-from .telemetry import timed
 
 __version__ = "0.1.0"
 
 # Imported on first use. torchvision (and so torch) takes seconds to import, and the first task of a job
 # imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile. The client's
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
-_LAZY = {"S3ImageFolder": "data", "ImageDecodeError": "data", "Job": "job", "dispatch": None, "attach": "detach",
-         "DetachedJobNotFound": "detach", "MLflowSink": "mlflow_sink"}
+_LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
+         "dispatch": None, "attach": "client.detach", "DetachedJobNotFound": "client.detach",
+         "MLflowSink": "observe.mlflow_sink"}
 
 
 def __getattr__(name: str):

@@ -52,7 +52,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
 
 
 def rank_process_pids(client) -> dict:
-    from dask_ddp.plugin import rank_process_pids as probe
+    from dask_ddp.worker.plugin import rank_process_pids as probe
 
     return client.run(probe)
 
@@ -167,7 +167,7 @@ class CliWorkers:
 
 def synthetic_plan(hosts: int, per_host: int):
     """The plan for ``hosts`` hosts of ``per_host`` workers each, from a synthetic scheduler view (no cluster)."""
-    from dask_ddp.plan import make_plan, workers_from_scheduler_info
+    from dask_ddp.wire.plan import make_plan, workers_from_scheduler_info
 
     view = {f"tcp://10.0.{h // 250}.{h % 250 + 1}:{4000 + w}": {"host": f"10.0.{h // 250}.{h % 250 + 1}",
                                                              "name": f"h{h}-gpu{w}"}

@@ -132,7 +132,7 @@ class SimulatedHosts:
     def start(self, timeout: float = 240) -> "SimulatedHosts":
         from distributed import Client
 
-        from dask_ddp.cluster import scheduler_workers
+        from dask_ddp.client.cluster import scheduler_workers
 
         _LIVE.add(self)
         _on_sigterm_clean_up()
@@ -246,7 +246,7 @@ class SimulatedHosts:
 
     def workers_of(self, host: Host) -> list[str]:
         """Addresses of ``host``'s workers the scheduler knows now."""
-        from dask_ddp.cluster import scheduler_workers
+        from dask_ddp.client.cluster import scheduler_workers
 
         return sorted(a for a in scheduler_workers(self.client)
                       if a.startswith(f"tcp://{host.address}:"))

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dask_ddp import checkpoint as ck
-from dask_ddp.context import Context, _set_context
-from dask_ddp.errors import NotInRankError
-from dask_ddp.cluster import scheduler_workers
+from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.rank.context import Context, _set_context
+from dask_ddp.wire.errors import NotInRankError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

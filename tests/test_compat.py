@@ -11,17 +11,17 @@ for ``torch.device(0)`` and ``backend="gloo"``.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import multiprocessing as mp
 import pickle
 import traceback
 
-import io
-
 import boto3
 import pytest
 import torch
 import torch.distributed as dist
+from _cluster import leftover_processes, local_client, wait_until
 from dask.distributed import wait
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -32,8 +32,6 @@ import dask_ddp
 from dask_ddp.compat import dispatch, results
 from dask_ddp.compat.data import S3ImageFolder
 from dask_ddp.compat.results import DaskResultsHandler
-
-from _cluster import leftover_processes, local_client, wait_until
 
 
 @pytest.fixture(scope="module")

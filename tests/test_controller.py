@@ -1,6 +1,6 @@
 """The job controller stepped one iteration at a time against a fake cluster: no Dask, no processes, no sleeps.
 
-The fake stands in for :class:`dask_ddp.cluster.DaskCluster` (the real one is exercised by every test that starts
+The fake stands in for :class:`dask_ddp.client.cluster.DaskCluster` (the real one is exercised by every test that starts
 a cluster); it records what the controller does to it, and the tests decide what the "ranks" do and when.
 The clock is the test's too, so timeouts (stall, worker silence, restart wait, event drain) pass at once.
 """
@@ -11,12 +11,12 @@ import cloudpickle
 import pytest
 
 import dask_ddp
-from dask_ddp.controller import DRAIN_WAIT, Controller
-from dask_ddp.errors import RankFailedError
-from dask_ddp.outcome import RankOutcome, Status
-from dask_ddp.plan import make_plan, workers_from_scheduler_info
-from dask_ddp.record import JobRecord
-from dask_ddp.spec import LaunchSpec
+from dask_ddp.client.controller import DRAIN_WAIT, Controller
+from dask_ddp.client.record import JobRecord
+from dask_ddp.wire.errors import RankFailedError
+from dask_ddp.wire.outcome import RankOutcome, Status
+from dask_ddp.wire.plan import make_plan, workers_from_scheduler_info
+from dask_ddp.wire.spec import LaunchSpec
 
 
 class Clock:
@@ -390,7 +390,7 @@ def test_a_client_closed_under_the_job_ends_it_with_client_closed_error_not_a_wa
 
 def test_a_task_that_dask_failed_is_an_error_outcome_of_its_rank():
     """DaskCluster.outcome turns a task Dask itself failed into an ERROR outcome (it never raises)."""
-    from dask_ddp.cluster import DaskCluster
+    from dask_ddp.client.cluster import DaskCluster
 
     class DoneFuture:
         def done(self):

@@ -176,10 +176,10 @@ def test_the_controller_tells_the_scheduler_every_transition_with_its_attempt_an
     """Stepped against test_controller's fake cluster; its client only records what would go to the scheduler."""
     from test_controller import Clock, FakeCluster, run_until_ended
 
-    from dask_ddp.controller import Controller
-    from dask_ddp.plan import make_plan, workers_from_scheduler_info
-    from dask_ddp.record import JobRecord
-    from dask_ddp.spec import LaunchSpec
+    from dask_ddp.client.controller import Controller
+    from dask_ddp.client.record import JobRecord
+    from dask_ddp.wire.plan import make_plan, workers_from_scheduler_info
+    from dask_ddp.wire.spec import LaunchSpec
 
     class Loop:
         sent: list = []

@@ -113,7 +113,11 @@ class _CountingS3:
 
 @pytest.fixture(scope="module")
 def counting_server():
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
     from werkzeug.serving import make_server
 
     recorder = _CountingS3(DomainDispatcherApplication(create_backend_app))
@@ -467,14 +471,14 @@ def test_cache_that_cannot_be_written_warns_once_and_samples_still_load(counted,
     cache = tmp_path / "afile" / "cache"
     want = _items(S3ImageFolder(url, transform=ToTensor(), storage_options=opts))
     ds = S3ImageFolder(url, transform=ToTensor(), storage_options=opts, cache=cache)
-    caplog.set_level(logging.WARNING, logger="dask_ddp.blob_cache")
+    caplog.set_level(logging.WARNING, logger="dask_ddp.data.blob_cache")
     recorder.reset()
     _same_items(ds.__getitems__(list(range(N_IMAGES))) + _items(ds), want + want)
-    warned = [r.getMessage() for r in caplog.records if r.name == "dask_ddp.blob_cache"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "dask_ddp.data.blob_cache"]
     assert len(warned) == 1, warned
     assert str(cache) in warned[0] and "NotADirectoryError" in warned[0] and "caching is off" in warned[0]
     assert len(recorder.object_requests(bucket, "GET")) == 2 * N_IMAGES  # off: every read goes to the store
     again = pickle.loads(pickle.dumps(ds))  # off for the dataset, DataLoader workers' copies included
     _same_items(list(DataLoader(again, batch_size=None, num_workers=1)), want)
-    assert len([r for r in caplog.records if r.name == "dask_ddp.blob_cache"]) == 1
+    assert len([r for r in caplog.records if r.name == "dask_ddp.data.blob_cache"]) == 1
 

@@ -7,7 +7,6 @@ import pathlib
 import re
 
 import pytest
-
 from test_cli import run_cli
 
 
@@ -46,11 +45,10 @@ def test_demo_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_demo_reads_given_data_and_uses_a_given_scheduler(s3, tmp_path):
     """``--data`` (an existing tree, a subset of the digits) and ``--scheduler``, through the Python entry point."""
+    from _cluster import leftover_processes
     from dask.distributed import Client, LocalCluster
 
     from dask_ddp.cli import demo
-
-    from _cluster import leftover_processes
 
     subset = {k: v for k, v in demo.digits_images().items() if int(k.rsplit("/", 1)[1][:4]) < 400}
     url = f"s3://{s3['bucket']}/digits"

@@ -31,7 +31,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from dask_ddp.network import IFNAME_VARIABLES
+from dask_ddp.rank.network import IFNAME_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

@@ -12,14 +12,14 @@ import os
 import threading
 
 import pytest
+from _cluster import wait_until
 from dask.distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 import dask_ddp
-from dask_ddp import devices, dispatch
-from dask_ddp.devices import Placement, assign, choose_backend
-from dask_ddp.cluster import scheduler_workers
-
-from _cluster import wait_until
+from dask_ddp import dispatch
+from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.rank import devices
+from dask_ddp.rank.devices import Placement, assign, choose_backend
 
 # --- pure placement rule (no GPU, no cluster) ---
 

@@ -10,13 +10,19 @@ import threading
 import time
 
 import pytest
+from _cluster import (
+    leftover_processes,
+    local_client,
+    no_running_ranks,
+    rank_process_pids,
+    run,
+    wait_until,
+)
 from dask.distributed import Client, LocalCluster
 
 import dask_ddp
 from dask_ddp import dispatch
-from dask_ddp.cluster import scheduler_workers
-
-from _cluster import leftover_processes, local_client, no_running_ranks, rank_process_pids, run, wait_until
+from dask_ddp.client.cluster import scheduler_workers
 
 TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -362,7 +368,7 @@ def test_a_function_shipped_by_value_keeps_its_file_name_in_tracebacks(tmp_path,
 
     import cloudpickle
 
-    from dask_ddp import pickling
+    from dask_ddp.wire import pickling
 
     (tmp_path / "notebook_cell.py").write_text("def outer():\n    def inner():\n"
                                                "        return [1 / 0 for _ in range(1)]\n    return inner()\n")
@@ -386,7 +392,7 @@ def test_a_function_shipped_by_value_keeps_its_file_name_in_tracebacks(tmp_path,
 def test_expose_main_sets_only_top_level_names_the_ranks_main_lacks(monkeypatch):
     import types
 
-    from dask_ddp import pickling
+    from dask_ddp.wire import pickling
 
     rank_main = types.ModuleType("__main__")
     rank_main.main = "the rank's own"

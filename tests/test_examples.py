@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _cluster import leftover_processes
 from test_cli import ROOT, run_cli, wait_none_marked  # noqa: F401 - shared subprocess helpers
 

@@ -14,15 +14,14 @@ import logging
 import dask
 import msgpack
 import pytest
+from _cluster import run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dask_ddp
-from dask_ddp import reporting
-from dask_ddp.events import Relay, escaped, wire_safe
-from dask_ddp.cluster import scheduler_workers
-
-from _cluster import run
+from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.client.events import Relay, escaped, wire_safe
+from dask_ddp.rank import reporting
 
 SURROGATES = st.integers(0xD800, 0xDFFF).map(chr)
 TEXT = st.one_of(

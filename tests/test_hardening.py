@@ -13,11 +13,10 @@ import time
 import uuid
 
 import pytest
+from _cluster import leftover_processes, rank_process_pids, run, wait_until
 
 import dask_ddp
-from dask_ddp.cluster import scheduler_workers
-
-from _cluster import leftover_processes, rank_process_pids, run, wait_until
+from dask_ddp.client.cluster import scheduler_workers
 
 NOTEBOOK = textwrap.dedent('''
     import os, sys, time
@@ -118,7 +117,7 @@ INTERRUPTED_NOTEBOOK = textwrap.dedent('''
     import psutil
     import dask_ddp
     from dask.distributed import Client, LocalCluster
-    from dask_ddp.plugin import rank_process_pids
+    from dask_ddp.worker.plugin import rank_process_pids
 
     def forever():
         while True:
@@ -541,7 +540,7 @@ def test_helpers_in_their_own_session_and_temp_files_do_not_outlive_the_rank(cli
     wait_until(lambda: not [pid for pid in strays if psutil.pid_exists(pid)], 10, what="every helper stopped")
     assert not leftover_processes(client)
     mine = f"{job.run_id[-8:]}-"
-    left = client.run(lambda: [n for n in os.listdir(__import__("dask_ddp.process").process.worker_tmp_root())
+    left = client.run(lambda: [n for n in os.listdir(__import__("dask_ddp.worker.process").worker.process.worker_tmp_root())
                                if n.startswith(mine)])
     assert not any(left.values()), f"rank temp folders left: {left}"
 

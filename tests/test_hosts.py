@@ -18,12 +18,16 @@ import traceback
 import dask
 import psutil
 import pytest
+from _cluster import (
+    elastic_job_past_its_first_checkpoint,
+    first_step_after_restart,
+    run,
+    wait_until,
+)
+from _hosts import ip, simulated_hosts, unavailable
 
 import dask_ddp
-from dask_ddp.cluster import scheduler_workers
-
-from _cluster import elastic_job_past_its_first_checkpoint, first_step_after_restart, run, wait_until
-from _hosts import ip, simulated_hosts, unavailable
+from dask_ddp.client.cluster import scheduler_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -341,7 +345,7 @@ def test_progress_and_cancel_from_a_client_that_reaches_only_the_scheduler(three
 
 def _rank_processes(hosts) -> list[str]:
     """Rank processes in any simulated host, as 'ns pid cmd': each is forked from its worker's zygote (same command
-    line, the zygote its parent), or with ``ddp.zygote: false`` a ``python -m dask_ddp.rank``."""
+    line, the zygote its parent), or with ``ddp.zygote: false`` a ``python -m dask_ddp.rank.main``."""
     out = []
     for h in hosts.hosts:
         for pid in ip("netns", "pids", h.ns, check=False).split():
@@ -349,9 +353,9 @@ def _rank_processes(hosts) -> list[str]:
                 proc = psutil.Process(int(pid))
                 cmd = " ".join(proc.cmdline())
                 parent = proc.parent()
-                forked = "dask_ddp.zygote" in cmd and parent is not None and "dask_ddp.zygote" in " ".join(
+                forked = "dask_ddp.rank.zygote" in cmd and parent is not None and "dask_ddp.rank.zygote" in " ".join(
                     parent.cmdline())
-                if forked or "dask_ddp.rank" in cmd:
+                if forked or "dask_ddp.rank.main" in cmd:
                     out.append(f"{h.ns} {pid} {cmd[:80]}")
             except (psutil.Error, ValueError):
                 pass
@@ -409,7 +413,7 @@ def test_each_host_publishes_its_ranks_events_through_its_own_hub(three_hosts):
     its own host's ranks; every report arrives, in order."""
     from test_hub import hub_of, watched_report_job
 
-    from dask_ddp.hub import unpack
+    from dask_ddp.worker.hub import unpack
 
     job, events = watched_report_job(three_hosts.client, 4.0, 300, per_host=True, flush_interval=0.2)
     plan = job.attempt.plan

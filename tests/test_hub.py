@@ -1,4 +1,4 @@
-"""Per-host event hubs (dask_ddp/hub.py): the plan (pure), and real jobs on a LocalCluster whose workers share one
+"""Per-host event hubs (dask_ddp/worker/hub.py): the plan (pure), and real jobs on a LocalCluster whose workers share one
 host (127.0.0.1), watched by a second client subscribed to the job's topic as the scheduler sends it."""
 
 import os
@@ -11,8 +11,8 @@ from _cluster import local_client, run, synthetic_plan, wait_until
 from distributed import Client
 
 import dask_ddp
-from dask_ddp.hub import chunked, unpack
-from dask_ddp.task import HUB_COST_PER_RANK, flush_interval_for, hub_plan, topic_of
+from dask_ddp.wire.task import HUB_COST_PER_RANK, flush_interval_for, hub_plan, topic_of
+from dask_ddp.worker.hub import chunked, unpack
 
 
 def hub_of(plan, rank: int) -> str:

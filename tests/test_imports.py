@@ -15,7 +15,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-
 PACKAGE = Path(__file__).resolve().parents[1] / "dask_ddp"
 
 

@@ -26,14 +26,13 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _cluster import leftover_processes, wait_until  # noqa: E402
 
 import dask_ddp  # noqa: E402
 from dask_ddp import dispatch  # noqa: E402
-from dask_ddp.events import EventOrder, TopicFeed
-from dask_ddp.task import flush_interval_for  # noqa: E402
-from dask_ddp.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
-
-from _cluster import leftover_processes, wait_until  # noqa: E402
+from dask_ddp.client.events import EventOrder, TopicFeed
+from dask_ddp.observe.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
+from dask_ddp.wire.task import flush_interval_for  # noqa: E402
 
 N_REPORTS = 10_000
 

@@ -14,8 +14,8 @@ import pytest
 from _cluster import local_client, run
 
 import dask_ddp
-from dask_ddp import network
-from dask_ddp.errors import RendezvousError
+from dask_ddp.rank import network
+from dask_ddp.wire.errors import RendezvousError
 
 
 def _listening(port: int) -> list[str]:
@@ -74,9 +74,9 @@ def test_a_master_addr_that_is_not_rank_0s_fails_fast_naming_it(client):
 def test_a_store_nobody_listens_on_gives_a_rendezvous_error_in_the_rendezvous_timeout():
     """Rank 1's side, against a port of 127.0.0.1 that is bound but not listening (refused, like a firewall's
     REJECT): RendezvousError naming address and port after ddp.rendezvous-timeout, not the collective timeout."""
-    from dask_ddp.plan import RankSpec
-    from dask_ddp.rank import _open_store
-    from dask_ddp.task import RankTask
+    from dask_ddp.rank.main import _open_store
+    from dask_ddp.wire.plan import RankSpec
+    from dask_ddp.wire.task import RankTask
 
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))  # reserved, never listening: connections are refused

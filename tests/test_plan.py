@@ -11,7 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dask_ddp
-from dask_ddp.plan import WorkerInfo, _natural_key, make_plan, parse_address, torchrun_env, workers_from_scheduler_info
+from dask_ddp.wire.plan import (
+    WorkerInfo,
+    _natural_key,
+    make_plan,
+    parse_address,
+    torchrun_env,
+    workers_from_scheduler_info,
+)
 
 
 def w(addr, name):
@@ -105,7 +112,7 @@ def test_importing_the_package_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, dask_ddp, dask_ddp.supervisor, dask_ddp.job; print('torch' in sys.modules)"
+    code = "import sys, dask_ddp, dask_ddp.worker.supervisor, dask_ddp.client.job; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -6,11 +6,21 @@ import cloudpickle
 import pytest
 
 import dask_ddp
-from dask_ddp.outcome import RankOutcome, Status
-from dask_ddp.plan import RankSpec
-from dask_ddp import policy
-from dask_ddp.policy import (Decision, StallBlame, blame_stall, decide, in_collective, lost_outcome, restart_request,
-                             root_cause, root_error, stall_error)
+from dask_ddp.client import policy
+from dask_ddp.client.policy import (
+    Decision,
+    StallBlame,
+    blame_stall,
+    decide,
+    in_collective,
+    lost_outcome,
+    restart_request,
+    root_cause,
+    root_error,
+    stall_error,
+)
+from dask_ddp.wire.outcome import RankOutcome, Status
+from dask_ddp.wire.plan import RankSpec
 
 
 def o(rank, status, t=0.0, secondary=False, error=None):

@@ -15,13 +15,12 @@ import sys
 import time
 
 import pytest
+from _cluster import CliWorkers, leftover_processes, local_client, run, wait_until
 
 import dask_ddp
-from dask_ddp import elastic
-from dask_ddp.cluster import scheduler_workers
-from dask_ddp.outcome import RankOutcome, Status
-
-from _cluster import CliWorkers, leftover_processes, local_client, run, wait_until
+from dask_ddp.client import elastic
+from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.wire.outcome import RankOutcome, Status
 
 
 def train_steps(n_steps, pause=0.05, every=None, register=True, slow_save=0.0):
@@ -244,7 +243,6 @@ def test_grow_by(bounds, world, idle, more):
 def test_sigterm_to_a_rank_process_takes_part_in_the_save(tmp_path):
     """The whole pod is signalled: a rank process that gets SIGTERM itself saves with the others."""
     import torch
-
     from _cluster import rank_process_pids
 
     with local_client(2) as c:
@@ -264,7 +262,7 @@ WATCHER_SCRIPT = """
 import signal, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from dask_ddp import preemption
+from dask_ddp.rank import preemption
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
 preemption.start(store, "127.0.0.1", store.port, 0, 1, lambda message: None, 1.0)
 time.sleep(0.3)
@@ -295,7 +293,7 @@ def test_closing_a_cluster_while_a_killed_worker_restarts_takes_no_connect_timeo
     """A worker process killed (SIGKILL), the cluster closed ``delay`` s later, while its Nanny notices or starts
     the new one: the Nanny's drain must not try to reach the dead worker's address, which distributed retries for
     ``distributed.comm.timeouts.connect`` (30 s) on every close (measured: 30.6 s before the fix)."""
-    from dask_ddp import leaving
+    from dask_ddp.worker import leaving
 
     with local_client(2) as client:
         leaving.register(client)

@@ -9,12 +9,17 @@ import time
 
 import dask
 import pytest
+from _cluster import (
+    elastic_job_past_its_first_checkpoint,
+    first_step_after_restart,
+    leftover_processes,
+    local_client,
+    run,
+    wait_until,
+)
 
 import dask_ddp
-from dask_ddp.cluster import scheduler_workers
-
-from _cluster import (elastic_job_past_its_first_checkpoint, first_step_after_restart, leftover_processes,
-                      local_client, run, wait_until)
+from dask_ddp.client.cluster import scheduler_workers
 
 
 def _spin_in_collectives():
@@ -42,7 +47,7 @@ def dask_worker_pid() -> int:
     import psutil
 
     parent = psutil.Process(os.getppid())
-    return parent.ppid() if any("dask_ddp.zygote" in part for part in parent.cmdline()) else parent.pid
+    return parent.ppid() if any("dask_ddp.rank.zygote" in part for part in parent.cmdline()) else parent.pid
 
 
 def kill_own_worker():
@@ -414,8 +419,8 @@ def test_elastic_restart_on_the_workers_left():
 
 ORPHAN_MAKER = """
 import os, subprocess, sys
-from dask_ddp.messages import Ready
-from dask_ddp.process import RankProcess
+from dask_ddp.wire.messages import Ready
+from dask_ddp.worker.process import RankProcess
 
 rank = RankProcess()
 assert isinstance(rank.conn.recv(), Ready)

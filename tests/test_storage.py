@@ -1,4 +1,4 @@
-"""dask_ddp.storage: URL resolution, error mapping and redaction, alone and as checkpoints and sinks use it.
+"""dask_ddp.data.storage: URL resolution, error mapping and redaction, alone and as checkpoints and sinks use it.
 
 The end-to-end cases write to moto's S3 server on 127.0.0.1 (conftest's ``s3``
 fixture) with the credentials missing, partial or refused: with auth enforced
@@ -17,8 +17,8 @@ import pytest
 from botocore.exceptions import ClientError, NoCredentialsError
 
 from dask_ddp import checkpoint as ck
-from dask_ddp import storage
-from dask_ddp.sinks import CSVSink, JSONLinesSink
+from dask_ddp.data import storage
+from dask_ddp.observe.sinks import CSVSink, JSONLinesSink
 
 KEY, SECRET = "AKIAPLANTEDKEY123", "planted-secret-xyz"
 

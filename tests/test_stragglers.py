@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dask_ddp.stragglers import StragglerWatch, find_straggler
+from dask_ddp.client.stragglers import StragglerWatch, find_straggler
 
 
 def item(rank, wait, input_wait=0.0, step_time=0.2, t=100.0, steps=5):

@@ -149,7 +149,9 @@ def hooks(user_hook):
     assert hasattr(hooked, "_dask_ddp_timing") and not hasattr(plain, "_dask_ddp_timing")
     calls = []
     if user_hook:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         def mine(state, bucket):
             calls.append(bucket.index())
@@ -160,7 +162,7 @@ def hooks(user_hook):
     for model in (hooked, plain):
         model(x).pow(2).sum().backward()
     same = all(torch.equal(a.grad, b.grad) for a, b in zip(hooked.parameters(), plain.parameters()))
-    from dask_ddp.telemetry import COUNTERS
+    from dask_ddp.rank.telemetry import COUNTERS
 
     return {"same": same, "calls": len(calls), "ddp_steps": COUNTERS.ddp_steps, "wait": COUNTERS.coll_wait}
 

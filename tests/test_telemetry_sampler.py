@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dask_ddp.telemetry import Counters, Sampler, _batch_size, timed
+from dask_ddp.rank.telemetry import Counters, Sampler, _batch_size, timed
 
 
 def steps(c: Counters, n: int, at: float, wait: float = 0.0, input_wait: float = 0.0, batch: int = 0):
@@ -75,7 +75,7 @@ def test_timed_counts_waits_and_samples():
     import torch
 
     c = Counters()
-    import dask_ddp.telemetry as telemetry
+    import dask_ddp.rank.telemetry as telemetry
 
     saved, telemetry.COUNTERS = telemetry.COUNTERS, c
     try:

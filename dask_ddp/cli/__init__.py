@@ -21,9 +21,15 @@ import argparse
 import sys
 from typing import Sequence
 
-from .. import __version__
-from . import demo, run
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, open_client
+from dask_ddp import __version__
+from dask_ddp.cli import demo, run
+from dask_ddp.cli.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    open_client,
+)
 
 __all__ = ["main", "build_parser", "open_client", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from dask_ddp.cli import main
 
 sys.exit(main())

@@ -17,7 +17,7 @@ import threading
 import traceback
 from typing import Callable, Iterator
 
-from .script import ScriptExitError
+from dask_ddp.cli.script import ScriptExitError
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED", "add_cluster_arguments", "int_at_least",
            "usage_error", "wait_for", "print_failure", "open_client"]
@@ -153,7 +153,9 @@ def open_client(scheduler: str | None = None, workers: int | None = None, *, das
     OSError
         The scheduler cannot be reached within ``connect_timeout`` seconds.
     """
-    from distributed import Client  # half a second to import: not for --help, usage errors or a rank
+    from distributed import (
+        Client,  # half a second to import: not for --help, usage errors or a rank
+    )
 
     if scheduler:
         with Client(scheduler, timeout=connect_timeout) as client:

@@ -37,12 +37,17 @@ import uuid
 from typing import Callable, Iterator
 
 import dask_ddp
-
-from .. import dispatch
-from ..cluster import scheduler_workers
-from ..errors import PlanError
-from ..sinks import CSVSink
-from .common import EXIT_FAILED, add_cluster_arguments, open_client, usage_error, wait_for
+from dask_ddp.cli.common import (
+    EXIT_FAILED,
+    add_cluster_arguments,
+    open_client,
+    usage_error,
+    wait_for,
+)
+from dask_ddp.client import dispatch
+from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.observe.sinks import CSVSink
+from dask_ddp.wire.errors import PlanError
 
 __all__ = ["run_demo", "digits_images", "upload", "embedded_s3", "build_model", "train", "add_parser", "main"]
 
@@ -264,7 +269,7 @@ def _transform():
 
 def _datasets(data: str, storage_options: dict):
     """Both splits, listed once here; the listings travel to the ranks inside the pickled datasets."""
-    from ..data import S3ImageFolder
+    from dask_ddp.data.image_folder import S3ImageFolder
 
     return tuple(S3ImageFolder(f"{data}/{split}", transform=_transform(), storage_options=storage_options)
                  for split in ("train", "test"))
@@ -364,7 +369,7 @@ def train(train_set, test_set, epochs: int, batch_size: int, lr: float) -> dict:
 
 def _with_cache(dataset, cache: str):
     """The same dataset (same listing: no new LIST) reading through a local cache after the first epoch."""
-    from ..data import S3ImageFolder
+    from dask_ddp.data.image_folder import S3ImageFolder
 
     return S3ImageFolder(dataset.root, transform=dataset.transform, storage_options=dataset.storage_options,
                          index=dataset.index, cache=cache)

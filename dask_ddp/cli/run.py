@@ -12,10 +12,17 @@ import contextlib
 import sys
 import uuid
 
-from .. import dispatch
-from ..errors import PlanError
-from .common import EXIT_FAILED, add_cluster_arguments, int_at_least, open_client, usage_error, wait_for
-from .script import Script, load_script, run_script
+from dask_ddp.cli.common import (
+    EXIT_FAILED,
+    add_cluster_arguments,
+    int_at_least,
+    open_client,
+    usage_error,
+    wait_for,
+)
+from dask_ddp.cli.script import Script, load_script, run_script
+from dask_ddp.client import dispatch
+from dask_ddp.wire.errors import PlanError
 
 __all__ = ["add_parser", "main"]
 

@@ -43,8 +43,8 @@ import types
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from ..context import get_context
-from ..errors import RankExitError
+from dask_ddp.rank.context import get_context
+from dask_ddp.wire.errors import RankExitError
 
 __all__ = ["Script", "ScriptExitError", "load_script", "run_script"]
 

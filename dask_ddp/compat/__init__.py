@@ -41,6 +41,6 @@ write checkpoints with :func:`dask_ddp.save_checkpoint` instead.
 :func:`dispatch.run` (0.2.2's Pub worked in any Dask task).
 """
 
-from . import dispatch, results
+from dask_ddp.compat import dispatch, results
 
 __all__ = ["dispatch", "results"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..data import S3ImageFolder as _S3ImageFolder
+from dask_ddp.data.image_folder import S3ImageFolder as _S3ImageFolder
 
 __all__ = ["S3ImageFolder"]
 

@@ -30,10 +30,10 @@ import cloudpickle
 from distributed import Future, Variable, wait
 from tblib import pickling_support
 
-from .. import dispatch as _dispatch
-from ..context import get_context
-from ..errors import RankFailedError
-from ..job import Job
+from dask_ddp.client import dispatch as _dispatch
+from dask_ddp.client.job import Job
+from dask_ddp.rank.context import get_context
+from dask_ddp.wire.errors import RankFailedError
 
 __all__ = ["run"]
 

@@ -21,9 +21,9 @@ import time
 import uuid
 from typing import Iterable
 
-from .. import reporting
-from ..context import get_context
-from ..errors import NotInRankError
+from dask_ddp.rank import reporting
+from dask_ddp.rank.context import get_context
+from dask_ddp.wire.errors import NotInRankError
 
 __all__ = ["DaskResultsHandler", "MAX_RESULT_BYTES"]
 
@@ -122,7 +122,7 @@ class DaskResultsHandler:
         """
         # not at the top: the ranks unpickle this module (a handler travels in the training function), and
         # compat.dispatch brings the client's side with it (distributed's client, pandas)
-        from .dispatch import job_of
+        from dask_ddp.compat.dispatch import job_of
 
         futures = list(futures)
         jobs = []

@@ -10,7 +10,7 @@ per job and rank (bounded), and serves them as the dashboard's DDP page (``/ddp`
 and ``/individual-ddp``) and as Prometheus gauges. Nothing here imports Bokeh until the scheduler needs it.
 """
 
-from .jobs import JOBS_TOPIC, job_message, publish
-from .plugin import DDPDashboard, install
+from dask_ddp.dashboard.jobs import JOBS_TOPIC, job_message, publish
+from dask_ddp.dashboard.plugin import DDPDashboard, install
 
 __all__ = ["DDPDashboard", "install", "JOBS_TOPIC", "job_message", "publish"]

@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import time
 
-from ..task import topic_of
+from dask_ddp.wire.task import topic_of
 
 __all__ = ["JOBS_TOPIC", "JOB_TOPIC_PREFIX", "job_message", "publish"]
 
 logger = logging.getLogger("dask_ddp")
 
-#: Every job's own event topic starts with this (``dask-ddp-<run_id>``, :func:`dask_ddp.task.topic_of`).
+#: Every job's own event topic starts with this (``dask-ddp-<run_id>``, :func:`dask_ddp.wire.task.topic_of`).
 JOB_TOPIC_PREFIX = topic_of("")
 #: The topic of job-level messages (states, stragglers); a run id always ends in 8 hex digits, so no job's
 #: own topic is ever this one.
@@ -35,7 +35,7 @@ def _device(backend: str) -> str | None:
 def job_message(run_id: str, name: str, state: str, attempt: int, plan, backend: str = "auto") -> dict:
     """The ``{"kind": "job", ...}`` message of a job in ``state`` during ``attempt`` (0 first) on ``plan``.
 
-    ``plan`` is the attempt's :class:`~dask_ddp.plan.RankPlan` (None: no ranks known yet).
+    ``plan`` is the attempt's :class:`~dask_ddp.wire.plan.RankPlan` (None: no ranks known yet).
     """
     ranks = [] if plan is None else [{"rank": r.rank, "worker": r.address, "host": r.host,
                                       "device": _device(backend)} for r in plan.ranks]

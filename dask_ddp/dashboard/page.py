@@ -23,7 +23,7 @@ from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from dask.utils import format_bytes
 
-from .state import DashboardState, JobView, rank_rows
+from dask_ddp.dashboard.state import DashboardState, JobView, rank_rows
 
 __all__ = ["DDPPage", "attach", "PATHS"]
 

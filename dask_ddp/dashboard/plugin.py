@@ -11,8 +11,8 @@ import logging
 import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from . import prometheus
-from .state import DashboardState
+from dask_ddp.dashboard import prometheus
+from dask_ddp.dashboard.state import DashboardState
 
 __all__ = ["DDPDashboard", "install", "NAME"]
 
@@ -45,7 +45,7 @@ class DDPDashboard(SchedulerPlugin):
         """Attach the page to the scheduler's dashboard (if it has one) and the gauges to ``/metrics``."""
         self.state = DashboardState(self.keep_jobs, self.history)
         try:
-            from .page import attach
+            from dask_ddp.dashboard.page import attach
 
             self.page = attach(scheduler, self.state)
         except ImportError:  # no bokeh where the scheduler runs: no dashboard pages at all there

@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 
-from .state import DashboardState, rank_rows
+from dask_ddp.dashboard.state import DashboardState, rank_rows
 
 __all__ = ["DDPCollector", "register", "GAUGES"]
 

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from .jobs import JOB_TOPIC_PREFIX, JOBS_TOPIC
+from dask_ddp.dashboard.jobs import JOB_TOPIC_PREFIX, JOBS_TOPIC
 
 __all__ = ["DashboardState", "JobView", "RankView", "ENDED", "rank_rows"]
 

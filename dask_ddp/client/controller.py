@@ -1,0 +1,430 @@
+"""The job controller: owns a job's live state and is the one place that acts on failures.
+
+Runs in: the client, in the job's watcher thread. :meth:`Controller.step` does
+one iteration; :meth:`Controller.run` loops it until the job has ended. Each
+iteration delivers the events that arrived, notes lost and silent workers and
+ended ranks, and moves the attempt through its phases::
+
+    running ---- every rank ended ----> draining ---- its events are in ----> (decide)
+       ^                                                                        |
+       |                         finish / fail: the job ends <------------------+
+       +---- enough workers ---- waiting for workers <---- restart <------------+
+
+Decisions come from :mod:`dask_ddp.client.policy` (pure); actions go through a
+cluster port (:class:`dask_ddp.client.cluster.DaskCluster`, or a fake in tests).
+The job's state machine (PENDING, RUNNING, RESTARTING, FINISHED, FAILED,
+CANCELLED) lives in the :class:`~dask_ddp.client.record.JobRecord`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import cloudpickle
+import dask
+
+from dask_ddp.client import elastic, policy
+from dask_ddp.client.events import EventOrder
+from dask_ddp.client.liveness import SilenceWatch
+from dask_ddp.client.record import JobRecord, format_log
+from dask_ddp.client.stragglers import StragglerWatch
+from dask_ddp.dashboard import jobs as dashboard_jobs
+from dask_ddp.observe.progress import Progress
+from dask_ddp.rank import preemption
+from dask_ddp.wire import plan as planning
+from dask_ddp.wire.errors import (
+    ClientClosedError,
+    DaskDDPError,
+    JobCancelledError,
+    StallError,
+)
+from dask_ddp.wire.outcome import RankOutcome, Status
+from dask_ddp.wire.spec import LaunchSpec
+from dask_ddp.wire.task import RankTask, rank_tasks
+
+__all__ = ["Controller", "Attempt", "Callbacks"]
+
+logger = logging.getLogger("dask_ddp")
+
+DRAIN_WAIT = 5.0  # seconds an ended attempt waits for its ranks' last event batches
+QUEUED_AFTER = 10.0  # seconds into an attempt when its rank tasks are checked for waiting on a busy worker
+HOOKS = ("on_start", "on_metrics", "on_log", "on_telemetry", "on_straggler", "on_failure", "on_restart", "on_finish")
+
+
+class Callbacks:
+    """The job's callbacks; a broken one is logged, disabled for the job, and never changes its outcome."""
+
+    def __init__(self, callbacks):
+        self.callbacks = list(callbacks)
+        self._broken: set[int] = set()
+
+    def __call__(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            if id(cb) in self._broken:
+                continue
+            plain = callable(cb) and not any(hasattr(cb, h) for h in HOOKS)
+            fn = (cb if hook in ("on_metrics", "on_log") else None) if plain else getattr(cb, hook, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a broken callback never changes the training outcome
+                self._broken.add(id(cb))
+                logger.exception("dask-ddp callback %r failed in %s; it is disabled for this job", cb, hook)
+
+
+class Attempt:
+    """Live state of one attempt: its plan, tasks, futures and the outcomes seen so far."""
+
+    def __init__(self, index: int, plan: planning.RankPlan, tasks: list[RankTask], futures: list, launched: float):
+        self.index, self.plan, self.tasks, self.futures = index, plan, tasks, futures
+        self.launched = launched  # the controller's clock() at launch
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.lost: dict[str, float] = {}  # worker address -> time it was found gone
+        self.leaving: dict[str, float] = {}  # worker address -> clock() it was retired: its ranks may be saving
+        self.grow_asked = False
+        self.stalled: StallError | None = None
+        self.queue_checked = False
+
+    def ended(self) -> bool:
+        return len(self.outcomes) == len(self.tasks)
+
+
+class Controller:
+    """Runs one job's attempts on a cluster port; see the module docstring.
+
+    ``owner`` is what callbacks receive as the job (the :class:`~dask_ddp.client.job.Job`);
+    ``clock`` is ``time.monotonic`` unless a test drives time.
+    """
+
+    def __init__(self, spec: LaunchSpec, run_id: str, cluster, record: JobRecord, owner: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.spec, self.run_id, self.cluster, self.record = spec, run_id, cluster, record
+        self.owner, self.clock = owner, clock
+        self.callbacks = Callbacks(spec.callbacks)
+        self.order = EventOrder()
+        self.silence = SilenceWatch(spec.worker_timeout)
+        self.attempt: Attempt | None = None
+        self.cancel_requested = False
+        self.phase = "new"  # new, running, draining, waiting (for workers to restart on), ended
+        self._deadline = 0.0
+        self._backfilled = False
+        self._restart_need: tuple[int, Any] = (0, None)
+        self._decision: policy.Decision | None = None  # the decision a restart acts on
+        self.last_report: dict[int, float] = {}  # rank -> clock() of its latest report: the stall clock
+        self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
+        self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
+        self.departed: set[str] = set()  # workers that left gracefully: never planned on again
+        self.grace = preemption.grace_period()
+        bounds = planning.elastic_bounds(spec.workers)
+        self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
+        self._next_grow = 0.0
+
+    # ---- driving -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Launch the first attempt (the events topic is subscribed already)."""
+        self._deliver(self.cluster.backfill())
+        self._announce("PENDING", self.spec.first_plan)
+        self._launch(0, self.spec.first_plan)
+        self.callbacks("on_start", self.owner)
+
+    def run(self) -> None:
+        """Step until the job has ended; a bug here still stops the ranks and ends the job."""
+        try:
+            while not self.step():
+                pass
+        except Exception as exc:  # a bug here must not leave ranks running or result() hanging
+            if self.cluster.client_closed():  # the user's client.close(): the ranks stop as orphans
+                error: Exception = ClientClosedError.of_job(self.run_id)
+            else:
+                logger.exception("dask-ddp job watcher failed")
+                error = DaskDDPError(f"dask-ddp's job watcher failed: {exc!r}; the ranks were stopped")
+            self._abort(f"the job watcher failed: {exc!r}")
+            self._end("FAILED", error)
+        finally:
+            self.cluster.close()
+
+    def step(self, wait: float = 0.05) -> bool:
+        """One iteration: deliver events (waiting up to ``wait`` s for some), then advance. True once ended."""
+        if self.phase == "ended":
+            return True
+        self._deliver(self.cluster.events(wait))
+        if self.phase == "running":
+            self._check_ranks()
+        if self.phase == "running" and self._grow:
+            self._check_growth()
+        if self.phase == "draining":
+            self._check_drained()
+        if self.phase == "waiting":
+            self._check_restart()
+        return self.phase == "ended"
+
+    def cancel(self) -> None:
+        """Ask every rank to stop; the job ends CANCELLED once they have."""
+        self.cancel_requested = True
+        self._abort("cancel() was called")
+
+    # ---- events --------------------------------------------------------------------------------------------
+    def _deliver(self, messages: list[dict]) -> None:
+        for msg in messages:
+            self._deliver_batches(self.order.take(msg))
+
+    def _deliver_batches(self, batches: list[dict]) -> None:
+        for batch in batches:
+            items = batch.get("items", [])
+            self.record.add(items)
+            now = self.clock()
+            for item in items:
+                kind = item.get("kind")
+                if kind == "metric":
+                    self.last_report[item["rank"]] = now
+                if kind == "log" and self.spec.echo_logs:
+                    Progress.write(format_log(item), item.get("stream") == "stderr")
+                if kind in ("metric", "log"):
+                    self.callbacks("on_metrics" if kind == "metric" else "on_log", item)
+                elif kind == "telemetry":
+                    self._telemetry(item, now)
+
+    def _telemetry(self, item: dict, now: float) -> None:
+        """Feed the straggler watch; name a straggler once (warning, history, callbacks, the jobs topic)."""
+        self.callbacks("on_telemetry", item)
+        att = self.attempt
+        if self.stragglers is None or att is None or item.get("attempt") != att.index:
+            return
+        found = self.stragglers.update(item, now)
+        if found is None:
+            return
+        r = att.plan.ranks[found.rank]
+        message = found.message(r.address, r.host)
+        with self.record.cond:
+            self.record.stragglers[found.rank] = message
+        self.record.note(f"straggler: {message}")
+        event = {"kind": "straggler", "run": self.run_id, "rank": found.rank, "worker": r.address, "host": r.host,
+                 "cause": found.cause, "time": time.time(), "message": message}
+        self.callbacks("on_straggler", self.owner, event)
+        dashboard_jobs.publish(getattr(self.cluster, "client", None), event)
+
+    # ---- running -------------------------------------------------------------------------------------------
+    def _launch(self, index: int, plan: planning.RankPlan) -> None:
+        tasks = rank_tasks(self.spec, self.run_id, index, plan)
+        self.attempt = Attempt(index, plan, tasks, self.cluster.submit(tasks), self.clock())
+        self.last_report.clear()  # the stall clock of each rank restarts at its first report
+        if self.stragglers is not None:
+            self.stragglers.reset()
+        with self.record.cond:
+            self.record.telemetry.clear()
+            self.record.stragglers.clear()
+        self.phase = "running"
+        self._transition("RUNNING", f"attempt {index + 1}: {plan.world_size} ranks on "
+                                    f"{', '.join(plan.addresses)}, master {plan.master_addr}")
+        if self.cancel_requested:
+            self._abort("cancel() was called")
+
+    def _check_ranks(self) -> None:
+        att = self.attempt
+        for address in self.cluster.removed():
+            if address in att.plan.addresses:
+                att.lost.setdefault(address, time.time())
+        for address in self.cluster.leaving():
+            self.departed.add(address)
+            if address in att.plan.addresses:
+                att.leaving.setdefault(address, self.clock())
+        now = self.clock()
+        if self.silence.due(now):
+            live = [a for a in att.plan.addresses if a not in att.lost and a not in att.leaving]
+            for address in self.silence.check(self.cluster.workers(), live, now):
+                att.lost[address] = time.time()
+        for r, task, fut in zip(att.plan.ranks, att.tasks, att.futures):
+            if r.rank in att.outcomes:
+                continue
+            if r.address in att.lost or self._left_for_good(att, r.address):
+                outcome = policy.lost_outcome(r, att.lost.get(r.address, time.time()),
+                                              self.silence.silent.get(r.address))
+                self.cluster.cancel(fut)  # pinned to a dead worker, it would wait forever
+            else:
+                outcome = self.cluster.outcome(fut, task)
+                if outcome is None:
+                    continue
+            att.outcomes[r.rank] = outcome
+            if outcome.failed:
+                self._abort(outcome.message or f"rank {r.rank} failed")
+        self._check_stall(att)
+        self._check_queued(att)
+        if att.ended():
+            self.phase, self._deadline, self._backfilled = "draining", self.clock() + DRAIN_WAIT, False
+
+    def _left_for_good(self, att: Attempt, address: str) -> bool:
+        """A retired worker's rank is lost once every other rank has ended (saved, or failed) or the grace
+        period has passed: until then it may be saving, and the others must not be stopped."""
+        if address not in att.leaving:
+            return False
+        others = [r.rank for r in att.plan.ranks if r.address not in att.leaving]
+        return bool(others) and all(rk in att.outcomes for rk in others) or \
+            self.clock() > att.leaving[address] + self.grace + 5
+
+    def _check_growth(self) -> None:
+        """An elastic job below its maximum saves and restarts on more workers once idle ones have joined."""
+        att, now = self.attempt, self.clock()
+        if att.grow_asked or now < self._next_grow or not self.last_report:
+            return
+        self._next_grow = now + 1.0
+        idle = [a for a, info in self.cluster.workers().items() if a not in att.plan.addresses
+                and a not in self.silence.silent and a not in self.departed and info.get("status", "running") == "running"]
+        more = elastic.grow_by(self._grow, att.plan.world_size, len(idle))
+        if more:
+            att.grow_asked = True
+            self.cluster.notify(att.tasks[0], list(att.plan.addresses), f"{len(idle)} worker(s) joined "
+                                f"({', '.join(sorted(idle))}): the job grows to {att.plan.world_size + more} ranks",
+                                self.grace)
+
+    def _check_stall(self, att: Attempt) -> None:
+        limit = self.spec.stall_timeout
+        if not limit or att.stalled or att.ended():
+            return
+        now = self.clock()
+        ages = {rk: now - t for rk, t in self.last_report.items() if rk not in att.outcomes}
+        if not any(age > limit for age in ages.values()):
+            return
+        stacks = self.cluster.stacks(att.tasks[0].attempt_id, att.plan.addresses)
+        live = [r.rank for r in att.plan.ranks if r.rank not in att.outcomes]
+        blame = policy.blame_stall(ages, live, stacks)
+        att.stalled = policy.stall_error(self.run_id, blame, limit, stacks, att.plan.ranks[blame.rank].address)
+        self._abort(f"rank {blame.rank} stalled")
+
+    def _check_queued(self, att: Attempt) -> None:
+        """Once an attempt, QUEUED_AFTER s in: say which rank tasks still wait for a free thread on their workers
+        (busy with other Dask work, or another job's ranks), and what runs there; else the job waits unexplained
+        (the ranks that started wait for them in the rendezvous). Asked in a thread of its own: a worker that
+        does not answer must not hold the controller."""
+        probe = getattr(self.cluster, "queued", None)
+        if att.queue_checked or probe is None or self.clock() < att.launched + QUEUED_AFTER:
+            return
+        att.queue_checked = True
+        tasks = [t for t in att.tasks if t.rank.rank not in att.outcomes]
+        if not tasks:
+            return
+
+        def ask() -> None:
+            try:
+                message = policy.queued_message(probe(tasks), {t.key: t.rank.rank for t in tasks})
+            except Exception:  # noqa: BLE001 - a hint only; the job goes on either way
+                logger.debug("dask-ddp: could not ask the workers about queued rank tasks", exc_info=True)
+                return
+            if message and self.attempt is att and not att.ended():
+                self.record.note(message)
+        threading.Thread(target=ask, name=f"dask-ddp-queued-{self.run_id}", daemon=True).start()
+
+    # ---- an attempt ended ------------------------------------------------------------------------------------
+    def _check_drained(self) -> None:
+        """Every batch a rank published must arrive before the job reports its end (or DRAIN_WAIT passes)."""
+        att, now = self.attempt, self.clock()
+        pending = [o for o in att.outcomes.values() if o.last_seq >= 0]
+
+        def arrived() -> bool:
+            return all(self.order.have_all(att.index, o.rank, o.last_seq) for o in pending)
+
+        if not arrived() and not self._backfilled and now > self._deadline - DRAIN_WAIT / 2:
+            self._deliver(self.cluster.backfill())  # subscribing does not replay what came before it
+            self._backfilled = True
+        if not arrived():
+            if now < self._deadline:
+                return
+            self._deliver_batches(self.order.flush())  # batches whose predecessor never came: late, not lost
+        self._decide(att)
+
+    def _decide(self, att: Attempt) -> None:
+        outcomes = list(att.outcomes.values())
+        if att.stalled is not None:
+            outcomes.append(RankOutcome(att.stalled.rank, att.stalled.worker, Status.STALLED, time=0.0,
+                                        error=cloudpickle.dumps(att.stalled)))
+        decision = policy.decide(outcomes, cancelled=self.cancel_requested, attempt=att.index - self.preemptions,
+                                 max_restarts=self.spec.max_restarts)
+        pre = elastic.preemption(outcomes)
+        if pre is not None and decision.action != "finish" and not self.cancel_requested:
+            decision = self._after_preemption(pre)
+        self.cluster.release(att.futures)
+        self.cluster.cleanup(att.tasks[0])
+        if decision.action == "finish":
+            values = [cloudpickle.loads(att.outcomes[r].value) for r in sorted(att.outcomes)]
+            self._end("FINISHED", None, decision.reason, values)
+        elif self.cancel_requested:
+            self._cancelled(decision.reason)
+        elif decision.action == "restart":
+            self._begin_restart(att, decision)
+        else:
+            self._end("FAILED", policy.root_error(decision, att.outcomes.values(), self.run_id), decision.reason)
+
+    def _after_preemption(self, pre: elastic.Preemption) -> policy.Decision:
+        """Restart after a preemption or growth (not counted against max_restarts), saying what was saved."""
+        self.preemptions += 1
+        if pre.get("kind", "leave") == "leave" and pre.get("worker"):
+            self.departed.add(pre["worker"])  # it is closing: the restart must not plan on it
+        fallback = None if pre.saved else elastic.last_checkpoint_step(self.spec.checkpoint_dir, self.run_id,
+                                                                        self.spec.checkpoint_options)
+        return policy.Decision("restart", elastic.reason(pre, self.record.top_step, fallback, self.grace))
+
+    def _begin_restart(self, att: Attempt, decision: policy.Decision) -> None:
+        self._transition("RESTARTING", decision.reason)
+        self.callbacks("on_restart", self.owner, att.index + 1)
+        self._restart_need = policy.restart_request(self.spec.workers, att.plan.world_size)
+        self._decision = decision
+        self.phase, self._deadline = "waiting", self.clock() + self.spec.restart_wait
+
+    def _check_restart(self) -> None:
+        """Restart once the cluster has the workers it needs (silent ones left out), or give up at the deadline."""
+        if self.cancel_requested:
+            return self._cancelled("cancelled while waiting for workers to restart on")
+        need, selection = self._restart_need
+        workers = [w for w in planning.workers_from_scheduler_info({"workers": self._usable_workers()})
+                   if w.address not in self.silence.silent and w.address not in self.departed]
+        if len(workers) < need and self.clock() < self._deadline:
+            return
+        att = self.attempt
+        try:
+            plan = planning.make_plan(workers, selection, self.spec.master_addr)
+        except Exception as exc:  # noqa: BLE001 - not enough workers, or the named ones are gone
+            err = policy.root_error(self._decision, att.outcomes.values(), self.run_id)
+            err.add_note(f"[dask-ddp] no restart: {need} workers were not available within "
+                         f"{self.spec.restart_wait} s ({exc})")
+            return self._end("FAILED", err, f"restart impossible: {exc}")
+        if plan.world_size != att.plan.world_size:
+            logger.warning("job %s: attempt %d runs on %d workers (attempt %d had %d)", self.run_id,
+                           att.index + 2, plan.world_size, att.index + 1, att.plan.world_size)
+        self._launch(att.index + 1, plan)
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def _transition(self, state: str, cause: str) -> None:
+        self.record.transition(state, cause)
+        self._announce(state, self.attempt.plan if self.attempt else self.spec.first_plan)
+
+    def _announce(self, state: str, plan) -> None:
+        """Tell the scheduler's DDP page (``dask-ddp-jobs``); a cluster port without a client (a test's) has none."""
+        msg = dashboard_jobs.job_message(self.run_id, self.spec.name or self.spec.fn_name, state,
+                                         self.attempt.index if self.attempt else 0, plan, self.spec.backend)
+        dashboard_jobs.publish(getattr(self.cluster, "client", None), msg)
+    def _usable_workers(self) -> dict[str, dict]:
+        """The scheduler's workers that are running (not retiring or closing)."""
+        return {a: info for a, info in self.cluster.workers().items() if info.get("status", "running") == "running"}
+
+    # ---- acting --------------------------------------------------------------------------------------------
+    def _abort(self, cause: str) -> None:
+        if self.attempt is None or self.phase not in ("running", "new"):
+            return
+        self.cluster.abort(self.attempt.tasks[0])
+        logger.info("job %s: stopping every rank of attempt %d: %s", self.run_id, self.attempt.index + 1, cause)
+
+    def _cancelled(self, cause: str) -> None:
+        self._end("CANCELLED", JobCancelledError(f"job {self.run_id} was cancelled; every rank was stopped"), cause)
+
+    def _end(self, state: str, error: BaseException | None, cause: str = "", values: list | None = None) -> None:
+        self.phase = "ended"
+        self.record.error, self.record.values = error, values
+        self._transition(state, cause or (str(error) if error else ""))
+        if error is not None:
+            self.callbacks("on_failure", self.owner, error)
+        self.callbacks("on_finish", self.owner)  # before waking result(): a sink's file is complete when it returns
+        self.cluster.close()  # before waking result() too: the job's topic and handlers are gone when it returns
+        self.record.settle()

@@ -1,0 +1,344 @@
+"""``dask_ddp.dispatch.run``: start a DDP job on a Dask cluster, one rank per worker.
+
+Runs in: the client (the notebook).
+
+Everything is validated here, on the client, before anything ships: the
+function and every argument must pickle (cloudpickle, so a function defined
+in a notebook travels by value), the workers must exist, the backend must be
+known. The result is a frozen :class:`~dask_ddp.wire.spec.LaunchSpec`; the
+:class:`~dask_ddp.client.job.Job` and its controller own everything live.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import os
+import re
+import sys
+import sysconfig
+import uuid
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
+
+import cloudpickle
+import dask
+
+from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
+from dask_ddp.client import detach as detach_module
+from dask_ddp.client.cluster import check_client, scheduler_workers
+from dask_ddp.client.controller import HOOKS
+from dask_ddp.client.detach import attach
+from dask_ddp.client.job import Job
+from dask_ddp.dashboard import install as install_dashboard
+from dask_ddp.wire import pickling
+from dask_ddp.wire import plan as planning
+from dask_ddp.wire.errors import PlanError, SerializationError
+from dask_ddp.wire.spec import LaunchSpec
+from dask_ddp.worker import plugin
+
+__all__ = ["run", "attach", "warm_up", "LaunchSpec"]
+
+BACKENDS = ("auto", "nccl", "gloo")
+MAX_NAME = 100
+
+def _local_module(fn: Callable):
+    """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
+
+    cloudpickle ships functions of importable modules by reference; the workers
+    would then fail with ModuleNotFoundError for a module that only the client has.
+    """
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(mod, "__file__", None)
+    if mod is None or mod.__name__ == "__main__" or not path:
+        return None
+    installed = {os.path.realpath(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"],
+                                               sysconfig.get_paths()["platlib"])}
+    real = os.path.realpath(path)
+    if any(real.startswith(p + os.sep) for p in installed) or mod.__name__.split(".")[0] == "dask_ddp":
+        return None
+    return mod
+
+
+def _check_pickles(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
+    mod = _local_module(fn)
+    if mod is not None and mod.__name__ in cloudpickle.list_registry_pickle_by_value():
+        mod = None  # the user registered it already: leave it registered
+    if mod is not None:
+        cloudpickle.register_pickle_by_value(mod)
+    try:
+        return _dumps(fn, args, kwargs)
+    finally:
+        if mod is not None:
+            cloudpickle.unregister_pickle_by_value(mod)
+
+
+def _dumps(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
+    try:
+        return pickling.dumps((fn, tuple(args), dict(kwargs)))  # the user's file names kept in tracebacks
+    except Exception as whole:  # noqa: BLE001 - find which part, to name it
+        parts = [("the function " + getattr(fn, "__qualname__", repr(fn)), fn)]
+        parts += [(f"positional argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
+        parts += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
+        for what, obj in parts:
+            try:
+                cloudpickle.dumps(obj)
+            except Exception as exc:  # noqa: BLE001
+                raise SerializationError(f"{what} cannot be pickled to ship to the workers: {exc}. Create it "
+                                         "inside the training function instead (e.g. open files, clients, locks "
+                                         "and CUDA tensors there)") from exc
+        raise SerializationError(f"the call cannot be pickled to ship to the workers: {whole}") from whole
+
+
+def _number(name: str, value, *, minimum: float = 0, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < minimum:
+        raise PlanError(f"{name}={value!r}: expected a finite number >= {minimum}" + (" or None" if allow_none else ""))
+    return value
+
+
+def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | None = None,
+        master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
+        progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
+        max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_options: dict | None = None,
+        timeout: float | None = None, detach: bool = False, **kwargs: Any) -> Job:
+    """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
+
+    Inside ``fn`` the torch process group is initialised (and destroyed after
+    ``fn`` returns or raises), torchrun's environment variables are set, and
+    :func:`dask_ddp.get_context` gives rank, world size and device. Each rank
+    runs in a child process of its Dask worker, so a hung rank can be killed
+    without restarting the worker and ``DataLoader(num_workers>0)`` works.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    fn : callable
+        The training function; defined anywhere, a notebook included (it is
+        shipped by value).
+    *args, **kwargs
+        Passed to ``fn`` on every rank. Keyword names of ``run`` itself (below)
+        are taken by ``run``.
+    workers : None, int, list of str, or (min, max)
+        Every worker (default), the first ``n`` in rank order, worker
+        addresses/names (a list), or elastic bounds: a tuple ``(min, max)``
+        starts on as many workers as there are up to ``max`` (None: no limit)
+        and, with ``max_restarts``, restarts after a loss on the workers left
+        if at least ``min`` are there. Ranks are ordered by host, then worker
+        name, then port.
+    backend : "auto", "nccl" or "gloo"
+        ``auto`` (default, ``ddp.backend``) picks nccl when every rank has a
+        GPU of its own and gloo otherwise (ranks sharing a GPU train on it
+        with gloo); ``gloo`` keeps the ranks on the CPU. How ranks get their
+        GPUs: :mod:`dask_ddp.rank.devices`.
+    master_addr : str
+        Host of the rendezvous store; default rank 0's host as the scheduler sees it.
+    name : str
+        The job's name (default the function's); the run id is the name, made safe for keys and paths,
+        then 8 random hex digits, so two jobs of one name never share anything.
+    callbacks : sequence
+        Plain callables receive every event (metric and log dicts); objects may
+        define ``on_start(job)``, ``on_metrics(event)``, ``on_log(event)``,
+        ``on_failure(job, error)``, ``on_restart(job, attempt)``, ``on_finish(job)``.
+        They run in the job's watcher thread: ``job.cancel()`` there returns at
+        once (early stopping), ``job.result()`` gives the outcome in
+        ``on_failure``/``on_finish`` and raises RuntimeError before (it would
+        wait forever). A callback that raises is logged and disabled.
+    progress : bool
+        Show a progress bar in ``wait``/``result``. ``total``: steps for the bar.
+    stall_timeout : float
+        Seconds a rank may go without a report, counted from its first report
+        (so slow starts never count); then the job fails with every rank's
+        stack dump. Default ``ddp.stall-timeout`` (off).
+    max_restarts : int
+        Restart the whole group this many times after a failure: with the same
+        number of workers (waiting up to ``ddp.restart-wait`` seconds for
+        them), or within the elastic bounds of ``workers=(min, max)``.
+    checkpoint_dir : str
+        fsspec URL for :func:`dask_ddp.save_checkpoint` / ``load_checkpoint``; the job
+        uses its own folder in it, ``<checkpoint_dir>/<run_id>`` (``job.checkpoint_dir``),
+        which its restarts share and other jobs never touch.
+    checkpoint_options : dict
+        fsspec storage options for ``checkpoint_dir`` (endpoint, credentials).
+    timeout : float
+        Collective and store timeout in seconds (default ``ddp.timeout``).
+    detach : bool
+        False (default): the job lives as long as this client; when it closes, disconnects or its kernel
+        dies, every rank is stopped. True: the job's controller runs in the scheduler's process and the
+        job keeps running without this client; any client can :func:`attach` to it by name or run id
+        (:mod:`dask_ddp.client.detach`). A detached job takes no ``callbacks``.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not callable, is a generator or async function; a callback is neither a callable nor
+        an object with callback methods; ``checkpoint_dir`` is not a path or URL; ``client`` is asynchronous
+        and called from its event loop (call ``run`` in a thread: ``asyncio.to_thread``).
+    SerializationError
+        ``fn`` or an argument cannot be pickled (names which).
+    PlanError
+        Bad ``workers=``, unknown backend, bad numbers.
+    ClientClosedError
+        The client is not connected.
+    """
+    if not isinstance(detach, bool):
+        raise TypeError(f"detach={detach!r}: expected True or False")
+    if detach and callbacks:
+        raise TypeError("a detached job takes no callbacks (they would run in the scheduler's process): attach "
+                        "to it and read job.stream() instead")
+    spec = _make_spec(client, fn, args, kwargs, workers=workers, backend=backend, master_addr=master_addr,
+                      name=name, callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
+                      max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, timeout=timeout,
+                      checkpoint_options=checkpoint_options)
+    install_dashboard(client)  # the DDP page and /metrics gauges on the scheduler (once; never raises)
+    return detach_module.launch(client, spec) if detach else Job(client, spec)._start()
+
+
+def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
+    """Start each worker's zygote (torch imported; it forks the ranks) now, so that the first job starts fast.
+
+    A worker starts its zygote at its first job anyway and keeps it (``ddp.warm-spare``; with
+    ``ddp.zygote: false``, one spare rank process instead); call this once after the cluster starts
+    to make the first job fast too. Waits until they are ready (about the time of one ``import torch``).
+
+    Parameters
+    ----------
+    workers : None, int or list of str
+        As in :func:`run`: every worker (default), the first ``n``, or addresses/names.
+    timeout : float
+        Seconds to wait for them to be ready.
+
+    Returns
+    -------
+    dict
+        ``{worker address: True if its zygote (or spare) was ready in time}``.
+
+    Raises
+    ------
+    ClientClosedError
+        The client is not connected.
+    TypeError
+        An asynchronous client called from its event loop (call ``warm_up`` in a thread).
+    PlanError
+        Bad ``workers=``.
+    """
+    check_client(client)
+    timeout = _number("timeout", timeout)
+    plan = _plan(client, workers)
+    plugin.register(client)
+    return client.run(plugin.warm_spare, timeout, workers=list(plan.addresses))
+
+
+def _plan(client, workers: Any, master_addr: str | None = None) -> planning.RankPlan:
+    """Choose ``workers=`` among every worker the scheduler has now and give each a rank (raises PlanError)."""
+    return planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
+                              master_addr)
+
+
+def _check_function(fn) -> None:
+    if not callable(fn):
+        raise TypeError(f"run(client, fn, ...) needs a callable fn, got {type(fn).__name__}: {fn!r}")
+    call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) or not hasattr(fn, "__call__") else fn.__call__
+    for target in (fn, call):
+        if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+            raise TypeError(f"run(client, fn, ...): {getattr(fn, '__qualname__', fn)!r} is an async function; a rank "
+                            "runs a plain function. Wrap it: def train(): return asyncio.run(main())")
+        if inspect.isgeneratorfunction(target):
+            raise TypeError(f"run(client, fn, ...): {getattr(fn, '__qualname__', fn)!r} is a generator function: its "
+                            "body would never run. Return the result instead of yielding it (report progress "
+                            "with dask_ddp.report)")
+
+
+def _check_callbacks(callbacks) -> tuple:
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks= takes a list of callables or callback objects, got {type(callbacks).__name__}")
+    for i, cb in enumerate(callbacks):
+        if not (callable(cb) or any(callable(getattr(cb, h, None)) for h in HOOKS)):
+            raise TypeError(f"callbacks[{i}] is {cb!r} ({type(cb).__name__}): a callback is a callable, or an object "
+                            f"with one or more of the methods {', '.join(HOOKS)}")
+    return tuple(callbacks)
+
+
+def _check_checkpoint(checkpoint_dir, checkpoint_options) -> tuple[str | None, dict]:
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_dir={checkpoint_dir!r}: expected a path or fsspec URL (str), "
+                            f"got {type(checkpoint_dir).__name__}")
+        checkpoint_dir = os.fspath(checkpoint_dir)
+        if not isinstance(checkpoint_dir, str) or not checkpoint_dir.strip():
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r}: give a folder path or an fsspec URL "
+                             "(s3://bucket/prefix, /shared/ckpt)")
+    if checkpoint_options is not None and not isinstance(checkpoint_options, Mapping):
+        raise TypeError(f"checkpoint_options= takes a dict of fsspec storage options, got "
+                        f"{type(checkpoint_options).__name__}")
+    return checkpoint_dir, dict(checkpoint_options or {})
+
+
+def _run_id(name, fn_name: str) -> str:
+    """A run id unique even when ``name`` repeats: the name (or the function's), made safe, then 8 random hex."""
+    if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
+        raise PlanError(f"name={name!r}: expected a non-empty str of at most {MAX_NAME} characters")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name if name is not None else fn_name).strip("-.")[:64] or "job"
+    return f"{slug}-{uuid.uuid4().hex[:8]}"
+
+
+def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
+               stall_timeout, max_restarts, checkpoint_dir, timeout, checkpoint_options=None) -> LaunchSpec:
+    check_client(client)
+    _check_function(fn)
+    fn_name = getattr(fn, "__name__", "fn").strip("<>") or "fn"
+    run_id = _run_id(name, fn_name)
+    callbacks = _check_callbacks(callbacks)
+    checkpoint_dir, checkpoint_options = _check_checkpoint(checkpoint_dir, checkpoint_options)
+    if master_addr is not None and (not isinstance(master_addr, str) or not master_addr.strip()):
+        raise PlanError(f"master_addr={master_addr!r}: expected a host name or address (str), or None for rank 0's")
+    cfg = dask.config.get("ddp")
+    backend = cfg["backend"] if backend is None else backend
+    if backend not in BACKENDS:
+        raise PlanError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise PlanError(f"max_restarts={max_restarts!r}: expected an int >= 0")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise PlanError(f"total={total!r}: expected a positive int or None")
+    call = _check_pickles(fn, args, kwargs)
+    plan = _plan(client, workers, master_addr)
+    return LaunchSpec(
+        call=call, fn_name=fn_name, run_id=run_id, first_plan=plan, workers=workers,
+        backend=backend, master_addr=master_addr, name=name,
+        timeout=_number("timeout", cfg["timeout"] if timeout is None else timeout, minimum=1),
+        rendezvous_timeout=cfg["rendezvous-timeout"], spawn_timeout=cfg["spawn-timeout"],
+        poll_interval=cfg["poll-interval"],
+        flush_interval=_number("ddp.events.flush-interval", cfg["events"]["flush-interval"], minimum=0.001),
+        max_batches_per_second=_number("ddp.events.max-batches-per-second", cfg["events"]["max-batches-per-second"],
+                                       allow_none=True),
+        events_per_host=_per_host(cfg["events"].get("per-host", "auto")),
+        restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
+        stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
+                              minimum=0.1, allow_none=True),
+        worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
+        max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
+        echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
+        **_telemetry(cfg["telemetry"]))
+
+
+def _per_host(value) -> bool | str:
+    """``ddp.events.per-host``: auto, true or false (the strings too, as an environment variable gives them)."""
+    text = str(value).strip().lower()
+    if value is True or text in ("true", "yes", "1"):
+        return True
+    if value is False or text in ("false", "no", "0"):
+        return False
+    if text == "auto":
+        return "auto"
+    raise PlanError(f"ddp.events.per-host={value!r}: expected auto, true or false")
+
+
+def _telemetry(cfg: dict) -> dict:
+    """The spec's telemetry fields from ``ddp.telemetry`` (both None when it is off)."""
+    if not cfg["enabled"]:
+        return {"telemetry_interval": None, "straggler_window": None}
+    return {"telemetry_interval": _number("ddp.telemetry.interval", cfg["interval"], minimum=0.1),
+            "straggler_window": _number("ddp.telemetry.straggler-window", cfg["straggler-window"], minimum=0,
+                                        allow_none=True)}

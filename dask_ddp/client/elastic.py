@@ -1,0 +1,87 @@
+"""Preemption and growth on the client: what an attempt that stopped for a preemption means, and when to grow.
+
+Runs in: the client (the controller calls these). Pure functions of plain
+data, unit-tested without a cluster (``tests/test_preemption.py``), except
+:func:`last_checkpoint_step`, which lists the job's checkpoint folder.
+
+An attempt stopped for a preemption when a notice reached its ranks (a worker
+left, or the job grew): its ranks' outcomes carry the notice
+(``RankOutcome.preempt``). If they stopped at the agreed step
+(``Status.PREEMPTED``, saved and committed), the job restarts from that step
+and loses nothing; if the save did not fit in the grace period, it restarts
+from the last checkpoint the job had saved on its own. Either way the restart
+does not count against ``max_restarts`` (nothing failed), and ``job.history``
+says what happened.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dask_ddp.wire.outcome import RankOutcome, Status
+
+__all__ = ["Preemption", "preemption", "reason", "grow_by", "last_checkpoint_step"]
+
+
+class Preemption(dict):
+    """What an attempt's outcomes say about a preemption: the notice (``cause``, ``worker``, ``deadline``) and,
+    when the ranks stopped at the agreed step, ``step``, ``saved``, ``committed``, ``heard``, ``save_took`` and
+    ``commit_time``."""
+
+    @property
+    def saved(self) -> bool:
+        return bool(self.get("saved") and self.get("committed"))
+
+
+def preemption(outcomes: Sequence[RankOutcome]) -> Preemption | None:
+    """The preemption an ended attempt went through, or None when no notice reached any of its ranks."""
+    stopped = [o.preempt for o in outcomes if o.status == Status.PREEMPTED and o.preempt]
+    if stopped:
+        best = max(stopped, key=lambda p: (bool(p.get("saved") and p.get("committed")), -p.get("heard", 0.0)))
+        return Preemption(best, heard=min(p.get("heard", best.get("heard", 0.0)) for p in stopped))
+    notes = [o.preempt for o in outcomes if o.preempt]
+    return Preemption(notes[0]) if notes else None
+
+
+def reason(p: Preemption, top_step: int, fallback_step: int | None, grace: float) -> str:
+    """The cause ``job.history`` keeps for a restart after preemption ``p``.
+
+    ``top_step``: the highest step the ranks reported; ``fallback_step``: the newest complete checkpoint's step
+    (None: there is none), what the job resumes from when the save did not fit.
+    """
+    what = "grew" if p.get("kind") == "grow" else "preempted"
+    head = f"{what}: {p.get('cause', 'a notice')}"
+    if p.saved:
+        lost = max(0, top_step - p["step"])
+        took = p.get("commit_time", 0.0) - p.get("heard", 0.0)
+        return (f"{head}; saved step {p['step']} (the save took {p.get('save_took', 0.0):.2f} s, notice to commit "
+                f"{took:.2f} s); {lost} steps lost")
+    if fallback_step is None:
+        lost = top_step + 1
+        where = "no checkpoint was saved before: it restarts from the start"
+    else:
+        lost = max(0, top_step - fallback_step)
+        where = f"resuming from the last periodic checkpoint (step {fallback_step})"
+    why = ("the ranks did not stop at an agreed step" if "step" not in p else
+           f"the save at step {p['step']} was not committed")
+    return f"{head}; {why} within the {grace:g} s grace period (ddp.preemption.grace-period): {where}; {lost} steps lost"
+
+
+def grow_by(bounds: tuple[int, int | None], world_size: int, idle_workers: int) -> int:
+    """How many more ranks an elastic job of ``world_size`` ranks within ``bounds`` could have now."""
+    hi = bounds[1]
+    room = idle_workers if hi is None else min(idle_workers, hi - world_size)
+    return max(0, room)
+
+
+def last_checkpoint_step(checkpoint_dir: str | None, run_id: str, options: dict) -> int | None:
+    """The step of the newest complete checkpoint of the job's folder (None: none, or it cannot be listed)."""
+    if checkpoint_dir is None:
+        return None
+    from dask_ddp.data.checkpoint import job_folder, list_checkpoints
+
+    try:
+        found = list_checkpoints(job_folder(checkpoint_dir, run_id), storage_options=options)
+    except Exception:  # noqa: BLE001 - the client may not reach the storage: the history then says less
+        return None
+    return found[-1].step if found else None

@@ -1,0 +1,280 @@
+"""The handle of a running DDP job: what ``dask_ddp.dispatch.run`` returns.
+
+Runs in: the client (the notebook). States (every transition is logged on the
+``dask_ddp`` logger with its cause and kept in :attr:`Job.history`)::
+
+    PENDING -> RUNNING -> FINISHED
+                       -> FAILED       (a rank raised/died, a worker left, a stall; no restarts left)
+                       -> CANCELLED    (job.cancel())
+                       -> RESTARTING -> RUNNING   (max_restarts not used up)
+
+The handle only reads: a watcher thread runs the job's
+:class:`~dask_ddp.client.controller.Controller`, which owns the live state and
+writes what the handle shows into a :class:`~dask_ddp.client.record.JobRecord`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import dask
+import pandas as pd
+
+from dask_ddp.client.cluster import DaskCluster
+from dask_ddp.client.controller import Attempt, Controller
+from dask_ddp.client.record import ENDED, JobRecord, format_log
+from dask_ddp.data.checkpoint import job_folder
+from dask_ddp.observe.display import job_html
+from dask_ddp.observe.progress import Progress
+from dask_ddp.observe.sinks import plot_metrics
+from dask_ddp.wire.spec import LaunchSpec
+from dask_ddp.wire.task import topic_of
+
+__all__ = ["Job"]
+
+LEAD = ["rank", "attempt", "step", "time", "elapsed"]
+
+
+class Job:
+    """A DDP job started by :func:`dask_ddp.dispatch.run`; returned at once, while the ranks start.
+
+    Attributes
+    ----------
+    run_id : str
+        The job's id (name made safe plus 8 random hex); it names its checkpoint folder.
+    checkpoint_dir : str or None
+        This job's own checkpoint folder, ``<checkpoint_dir>/<run_id>`` (None without
+        ``checkpoint_dir=``): pass it as ``directory=`` to load this job's checkpoints
+        elsewhere, e.g. to resume it in a later job.
+    state : str
+        PENDING, RUNNING, RESTARTING, FINISHED, FAILED or CANCELLED.
+    history : list of (time, old, new, cause)
+    futures : list of distributed.Future
+        The rank tasks of the current attempt, in rank order.
+    """
+
+    def __init__(self, client, spec: LaunchSpec):
+        self.client, self.spec = client, spec
+        self.run_id = spec.run_id
+        self.name = spec.name or spec.fn_name
+        self.topic = topic_of(self.run_id)
+        events = dask.config.get("ddp.events")
+        self._record = JobRecord(self.run_id, events["max-rows"], events["max-lines"])
+        self._ctl = Controller(spec, self.run_id, DaskCluster(client, self.topic), self._record, owner=self)
+        self._thread = threading.Thread(target=self._ctl.run, name=f"dask-ddp-job-{self.run_id}", daemon=True)
+
+    def _start(self) -> "Job":
+        self._ctl.start()
+        self._thread.start()
+        return self
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> str | None:
+        if self.spec.checkpoint_dir is None:
+            return None
+        return job_folder(self.spec.checkpoint_dir, self.run_id)
+
+    @property
+    def state(self) -> str:
+        return self._record.state
+
+    @property
+    def history(self) -> list[tuple[float, str, str, str]]:
+        return self._record.history
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """The current attempt (its ``index``, ``plan``, ``futures`` and ``outcomes``), or None before the first."""
+        return self._ctl.attempt
+
+    @property
+    def futures(self) -> list:
+        return list(self.attempt.futures) if self.attempt else []
+
+    @property
+    def plan(self):
+        """The :class:`~dask_ddp.wire.plan.RankPlan` of the current attempt (None before the first)."""
+        return self.attempt.plan if self.attempt else None
+
+    def done(self) -> bool:
+        """True once the job has FINISHED, FAILED or been CANCELLED (and its on_finish callbacks have run)."""
+        return self._record.settled
+
+    # ---- waiting -------------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, *, progress: bool | None = None) -> bool:
+        """Block until the job ends or ``timeout`` seconds pass, with a progress bar; True if it ended.
+
+        Never raises for a failed job (see :meth:`result`).
+
+        Raises
+        ------
+        KeyboardInterrupt
+            Ctrl-C, or the notebook's interrupt, while it waits: the job is cancelled first (its ranks stop
+            within a second; a detached job keeps running), and a note on the exception says so.
+        """
+        if self._in_callback("wait() or result()"):  # on_failure / on_finish: the outcome is known
+            return True
+        show = self.spec.progress if progress is None else progress
+        bar = Progress(self, total=self.spec.total) if show else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = self._record.cond
+        try:
+            with cond:
+                while not self.done():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    cond.wait(0.2 if left is None else min(0.2, left))
+                    if bar:
+                        bar.update()
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return self.done()
+
+    def result(self, timeout: float | None = None, *, progress: bool | None = None) -> list:
+        """Wait for the job and return each rank's return value, in rank order.
+
+        Raises
+        ------
+        Exception
+            The root cause when a rank failed: the rank's own exception with its
+            type and traceback, a note naming the rank and worker, and the
+            other ranks' fates grouped in a note; :class:`WorkerLostError`
+            when a worker left; :class:`StallError` when the job stalled.
+        JobCancelledError
+            When the job was cancelled.
+        TimeoutError
+            When ``timeout`` passes first (the job keeps running).
+        KeyboardInterrupt
+            Ctrl-C or the notebook's interrupt: the job is cancelled (see :meth:`wait`).
+        """
+        if not self.wait(timeout, progress=progress):
+            raise TimeoutError(f"job {self.run_id} still {self.state} after {timeout} s; it keeps running: "
+                               "call result() again or cancel()")
+        if self._record.error is not None:
+            raise self._record.error
+        return list(self._record.values)
+
+    def _in_callback(self, what: str) -> bool:
+        """True inside one of the job's callbacks once the job has its outcome (on_failure, on_finish), False
+        outside them.
+
+        Raises
+        ------
+        RuntimeError
+            Inside a callback before the job's end: waiting there would wait forever, since the callbacks run in
+            the thread that drives the job.
+        """
+        if threading.current_thread() is not self._thread:
+            return False
+        if self._record.state in ENDED:
+            return True
+        raise RuntimeError(f"job {self.run_id}: {what} inside one of the job's callbacks would wait forever (the "
+                           "callbacks run in the thread that drives the job): call job.cancel() to stop it early, "
+                           "and read job.state / job.metrics, or wait in on_finish")
+
+    def _interrupted(self, exc: KeyboardInterrupt) -> None:
+        """Ctrl-C while waiting: a job the user stops watching must not go on holding its workers (and GPUs)
+        unseen, as ``dask-ddp run`` and torchrun stop theirs. Cancels without waiting (a second Ctrl-C must not
+        be needed); notes on ``exc`` what happened."""
+        if self.done():
+            return
+        self._ctl.cancel()
+        exc.add_note(f"[dask-ddp] interrupted: job {self.run_id} was cancelled, its ranks stop within a second "
+                     "(job.state turns CANCELLED). To keep a job running while the notebook does other work, do "
+                     "not wait on it: run() returns at once; run(..., detach=True) outlives the notebook.")
+
+    def cancel(self, timeout: float = 30) -> None:
+        """Stop every rank (their processes are killed) and wait for them; result() then raises JobCancelledError.
+
+        Inside one of the job's callbacks (early stopping in ``on_metrics``) it returns at once: the ranks are
+        stopped once the callback returns.
+        """
+        if self.done():
+            return
+        self._ctl.cancel()
+        if threading.current_thread() is not self._thread:
+            self.wait(timeout, progress=False)
+
+    # ---- what the ranks sent -------------------------------------------------------------------------------
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """A pandas DataFrame of the reports so far: rank, attempt, step, time, elapsed, then the reported keys.
+
+        ``time`` is when the rank reported (a UTC timestamp), ``elapsed`` the seconds since the job was
+        started. The latest ``ddp.events.max-rows`` (100,000) reports; a sink keeps the whole history.
+        """
+        with self._record.cond:
+            rows = list(self._record.metric_rows)
+        df = pd.DataFrame(rows, columns=None if rows else LEAD[:-1])
+        seconds = df["time"].astype(float)
+        df["elapsed"] = seconds - self._record.created
+        df["time"] = pd.to_datetime(seconds, unit="s", utc=True)
+        return df[LEAD + [c for c in df.columns if c not in LEAD and c != "kind"]]
+
+    @property
+    def logs(self) -> list[str]:
+        """The ranks' output lines and log records so far, as ``[rank N] line`` (the latest ``ddp.events.max-lines``).
+
+        Lines of a later attempt read ``[rank N, attempt K] line`` (K from 1, as in :attr:`history`).
+        """
+        with self._record.cond:
+            return [format_log(e) for e in self._record.log_items]
+
+    @property
+    def events(self) -> list[dict]:
+        """The events so far (metrics and logs, as many as ``metrics`` and ``logs`` hold), in arrival order."""
+        with self._record.cond:
+            return list(self._record.events)
+
+    def stream(self, timeout: float | None = None) -> Iterator[dict]:
+        """Iterate over events as they arrive, from the first held, until the job ends and all are seen.
+
+        A reader slower than the ranks by more than the events held skips the ones dropped meanwhile.
+
+        Raises
+        ------
+        RuntimeError
+            Inside one of the job's callbacks before its end (in ``on_finish`` it yields every event and ends).
+        """
+        n, deadline = 0, None if timeout is None else time.monotonic() + timeout
+        record = self._record
+        if self._in_callback("stream()"):  # on_failure / on_finish: every event has arrived
+            yield from record.events_since(0)[0]
+            return
+        while True:
+            with record.cond:
+                while n >= record.n_events and not self.done():
+                    if deadline is not None and time.monotonic() > deadline:
+                        return
+                    record.cond.wait(0.2)
+                finished = self.done()
+            batch, n = record.events_since(n)
+            yield from batch
+            if finished and not batch:
+                return
+
+    def plot(self, y: str | list[str] | None = None, x: str = "step", ax=None):
+        """Plot reported metrics per rank with matplotlib (every numeric key but ``epoch`` by default).
+
+        Raises
+        ------
+        ValueError
+            Nothing reported yet, or ``x``/``y`` names a column the metrics do not have.
+        """
+        return plot_metrics(self.metrics, y=y, x=x, ax=ax)
+
+    def _repr_html_(self) -> str:
+        """The job in a notebook: state, attempt and the per-rank table (step time, waits, memory, GPU, ...)."""
+        return job_html(self)
+
+    def __repr__(self) -> str:
+        ranks = self.plan.world_size if self.plan else "?"
+        return f"<dask_ddp.Job {self.run_id} {self.state} ranks={ranks}>"

@@ -1,0 +1,178 @@
+"""The failure policy: pure decisions about a running or ended attempt; no cluster, no side effects.
+
+Runs in: the client. The controller (:mod:`dask_ddp.client.controller`) is the one
+place that acts on these decisions; each is a function of plain data, unit-
+tested without a cluster (``tests/test_policy.py``):
+
+- :func:`decide`: restart or fail (or finish) after an attempt's ranks have all ended;
+- :func:`root_cause` and :func:`root_error`: which rank's failure explains the others, and the
+  exception ``result()`` raises for it;
+- :func:`restart_request`: how many workers a restart needs, and which selection it plans with;
+- :func:`blame_stall` and :func:`stall_error`: which rank a stall blames, and the error that says so;
+- :func:`lost_outcome`: the outcome of a rank whose worker left or went silent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import cloudpickle
+
+from dask_ddp.wire.errors import RankFailedError, StallError, WorkerLostError
+from dask_ddp.wire.outcome import RankOutcome, Status
+from dask_ddp.wire.plan import RankSpec, elastic_bounds
+
+__all__ = ["Decision", "decide", "root_cause", "root_error", "restart_request", "StallBlame", "blame_stall",
+           "stall_error", "lost_outcome", "in_collective"]
+
+# Which failure explains the others: a lost worker explains its peers' broken collectives,
+# a killed process likewise, then a rank's own exception; collective errors seen by the
+# survivors (secondary) only when nothing else is known.
+_PRIORITY = {Status.LOST: 0, Status.STALLED: 0, Status.DIED: 1, Status.ERROR: 2}
+_WHAT = {Status.LOST: "lost its worker", Status.STALLED: "stalled", Status.DIED: "died", Status.ERROR: "raised"}
+_FATE = {Status.OK: "finished", Status.ABORTED: "was stopped", Status.ERROR: "raised", Status.DIED: "died",
+         Status.LOST: "lost its worker", Status.STALLED: "stalled", Status.PREEMPTED: "stopped for a preemption"}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after an attempt: ``finish``, ``fail`` or ``restart``, why, and the root cause if any."""
+
+    action: str
+    reason: str
+    root: RankOutcome | None = None
+
+
+def root_cause(outcomes: Sequence[RankOutcome]) -> RankOutcome | None:
+    """The outcome that explains the failure: by kind (see ``_PRIORITY``), first-hand before
+    secondary collective errors, then the earliest; None when no rank failed on its own."""
+    failed = [o for o in outcomes if o.status in _PRIORITY]
+    if not failed:
+        return None
+    return min(failed, key=lambda o: (_PRIORITY[o.status], o.secondary, o.time))
+
+
+def decide(outcomes: Sequence[RankOutcome], *, cancelled: bool, attempt: int, max_restarts: int) -> Decision:
+    """Decide what follows an attempt whose ranks have all ended.
+
+    ``attempt`` counts from 0; a failed attempt is restarted while
+    ``attempt < max_restarts``. Cancellation is never restarted.
+    """
+    if cancelled:
+        return Decision("fail", "cancelled by the user")
+    root = root_cause(outcomes)
+    if root is None:
+        if all(o.status == Status.OK for o in outcomes):
+            return Decision("finish", "every rank returned")
+        return Decision("fail", "ranks were stopped without a failure of their own")
+    where = f"rank {root.rank} on {root.worker} {_WHAT[root.status]}"
+    if attempt < max_restarts:
+        return Decision("restart", f"{where}; attempt {attempt + 2}/{max_restarts + 1}", root)
+    tail = f" after {attempt + 1} attempts" if max_restarts else ""
+    return Decision("fail", f"{where}{tail}", root)
+
+
+def root_error(decision: Decision, outcomes: Sequence[RankOutcome], run_id: str) -> BaseException:
+    """The exception ``Job.result()`` raises for a failed attempt: the root cause's own exception (its type
+    and traceback kept), with a note grouping what happened to the other ranks."""
+    root = decision.root
+    if root is None:
+        return RankFailedError(f"job {run_id} failed: {decision.reason}")
+    try:
+        err = cloudpickle.loads(root.error)
+    except Exception as exc:  # noqa: BLE001 - e.g. the exception's class is not importable here
+        err = RankFailedError(f"rank {root.rank} on worker {root.worker} failed; its error could not be "
+                              f"unpickled on the client ({exc!r}): {root.message}", rank=root.rank, worker=root.worker)
+    others = sorted((o for o in outcomes if o.rank != root.rank or o.status != root.status), key=lambda o: o.rank)
+    if others:
+        err.add_note("[dask-ddp] other ranks: " + "; ".join(f"rank {o.rank} {_FATE[o.status]}" for o in others))
+    return err
+
+
+def restart_request(selection: Any, world_size: int) -> tuple[int, Any]:
+    """``(workers needed, selection to plan with)`` for restarting an attempt of ``world_size`` ranks.
+
+    Elastic bounds ``(min, max)`` need ``min`` and keep the bounds; every worker
+    (None) or a count restart on the same number of workers, whichever they are;
+    a list of names needs those same workers.
+    """
+    bounds = elastic_bounds(selection)
+    if bounds is not None:
+        return bounds[0], selection
+    if selection is None or isinstance(selection, int):
+        return world_size, world_size
+    return world_size, selection
+
+
+_COLLECTIVE_FRAMES = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/distributed.py")
+
+
+def in_collective(stack: str) -> bool:
+    """Whether a rank's stack dump shows it inside torch.distributed or a backward pass (DDP's all-reduce)."""
+    return any(frame in stack.replace("\\", "/") for frame in _COLLECTIVE_FRAMES)
+
+
+@dataclass(frozen=True)
+class StallBlame:
+    """The rank a stall is blamed on; ``outside``: it is the one not inside a collective, the others wait in one."""
+
+    rank: int
+    age: float | None  # seconds since its last report; None: it never reported
+    outside: bool
+
+
+def blame_stall(ages: Mapping[int, float], live: Sequence[int], stacks: Mapping[int, str]) -> StallBlame:
+    """Blame one rank for a stall, given each live rank's seconds since its last report and stack dump.
+
+    Ranks that wait inside a collective wait for one that is not: blame that one,
+    past the limit yet or not (reports arrive up to a flush interval apart, so
+    the waiting rank may cross the limit first); among several, the longest
+    silent. If every rank is outside (or inside) a collective, the longest silent.
+    """
+    outside = [rk for rk in live if rk in stacks and not in_collective(stacks[rk])]
+    pool = outside or [rk for rk in live if rk in ages] or list(live)
+    worst = max(pool, key=lambda rk: ages.get(rk, float("inf")))
+    return StallBlame(worst, ages.get(worst), bool(outside) and len(outside) < len(live))
+
+
+def stall_error(run_id: str, blame: StallBlame, limit: float, stacks: Mapping[int, str], worker: str) -> StallError:
+    """The :class:`StallError` for ``blame``, with every rank's stack dump."""
+    silent = f"sent no report for {blame.age:.0f} s" if blame.age is not None else "sent no report yet"
+    where = " and is not inside a collective (the others wait inside one)" if blame.outside else ""
+    dump = "\n".join(f"--- rank {rk} ---\n{stacks[rk]}" for rk in sorted(stacks))
+    return StallError(f"job {run_id} stalled: rank {blame.rank} {silent}{where} (stall_timeout={limit} s; the "
+                      f"clock of a rank starts at its first report). Stack dump of every rank:\n{dump}",
+                      stacks=dict(stacks), rank=blame.rank, worker=worker)
+
+
+def lost_outcome(r: RankSpec, when: float, silent: float | None = None) -> RankOutcome:
+    """The outcome of rank ``r`` whose worker left the cluster at ``when`` (or sent no heartbeat for ``silent`` s)."""
+    how = (f"sent the scheduler no heartbeat for {silent:.0f} s (ddp.worker-timeout): its machine or network "
+           "went away, or the process is frozen" if silent is not None else
+           "left the cluster while the job ran (killed, out of memory, or its machine went away)")
+    err = WorkerLostError(f"rank {r.rank}'s worker {r.address} (name {r.name!r}) {how}; see the worker's logs, or "
+                          "set max_restarts= to restart on the workers left", rank=r.rank, worker=r.address)
+    return RankOutcome(r.rank, r.address, Status.LOST, error=cloudpickle.dumps(err), message=str(err), time=when)
+
+
+def queued_message(found: Mapping[str, Mapping], rank_of: Mapping[str, int]) -> str | None:
+    """What to tell the notebook about rank tasks that wait for a free thread on their workers, or None.
+
+    ``found``: per worker, what :func:`dask_ddp.worker.plugin.queued_tasks` answered; ``rank_of``: task key -> rank.
+    """
+    parts = []
+    for address, info in sorted(found.items()):
+        ranks = sorted(rank_of[k] for k in info.get("queued", ()) if k in rank_of)
+        if not ranks:
+            continue
+        running = ", ".join(info.get("running", ())) or "nothing"
+        more = f" and {info['more']} more" if info.get("more") else ""
+        threads = info.get("threads")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on worker {address}, whose "
+                     f"{threads} thread{'' if threads == 1 else 's'} run{'s' if threads == 1 else ''} "
+                     f"{running}{more}")
+    if not parts:
+        return None
+    return ("ranks wait for a free Dask thread: " + "; ".join(parts) + ". The job starts once those tasks end "
+            "(other Dask work, or another job's ranks); cancel() stops it")

@@ -1,0 +1,25 @@
+"""The data wing: datasets, checkpoints, storage and caches.
+
+Runs in: the rank process and its DataLoader workers (and the client, where a user
+builds a dataset or reads a checkpoint): ``S3ImageFolder`` (:mod:`.image_folder`, over
+one listing :mod:`.folder_index` and an optional :mod:`.blob_cache`), checkpoints
+(:mod:`.checkpoint`) and the filesystem plumbing they share (:mod:`.storage`).
+
+May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
+
+The public names are ``dask_ddp.data.S3ImageFolder``, ``FolderIndex``, ``ImageDecodeError``,
+``index_folder`` and ``pil_loader``; they are imported on first use (torchvision takes
+seconds to import, and :mod:`.checkpoint` and :mod:`.storage` must not pay for it).
+"""
+
+import importlib
+
+__all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        value = getattr(importlib.import_module(f"{__name__}.image_folder"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

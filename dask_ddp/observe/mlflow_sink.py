@@ -1,0 +1,165 @@
+"""``MLflowSink``: a job's parameters and every reported metric of every rank in one MLflow run.
+
+Runs in: the client, in the job's watcher thread (a callback, like the sinks of :mod:`dask_ddp.observe.sinks`).
+
+Needs MLflow's tracking client (``pip install 'dask-ddp[mlflow]'``, which brings ``mlflow-skinny``; the full
+``mlflow`` package has the same client). Pass it to ``run``::
+
+    job = dask_ddp.dispatch.run(client, train, 10, lr=0.1,
+                                callbacks=[dask_ddp.MLflowSink("http://mlflow:5000", experiment="digits")])
+
+One MLflow run per job: made at ``on_start``, tagged with the job's run id, kept across restarts (each
+restart sets the tag ``dask_ddp.attempts``), ended at ``on_finish`` with the job's outcome (FINISHED,
+FAILED, or KILLED for a cancelled job). Parameters are logged once: the training function's arguments
+(``arg0``, ``arg1``, ... and keyword names), the job's ``world_size``, ``backend``, ``max_restarts`` and
+``name``, and any ``params=`` given. Every reported number becomes the metric ``<key>/rank<r>`` at the
+report's step and time (TensorBoardSink's names); metrics are sent in batches of up to 1,000 every
+``flush_interval`` seconds and at the end. A failing tracking server is logged by the job, which disables
+the sink and trains on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+
+from dask_ddp.data.storage import redact
+from dask_ddp.observe.sinks import LEAD
+
+__all__ = ["MLflowSink"]
+
+MAX_BATCH = 1000  # metrics per log_batch call: MLflow's limit
+MAX_PARAM = 500  # characters of a parameter's value: the smallest limit of MLflow's stores
+
+
+def _param_text(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= MAX_PARAM else text[:MAX_PARAM - 3] + "..."
+
+
+def job_params(job) -> dict[str, str]:
+    """The parameters of ``job`` as MLflow takes them: the function's arguments and the job's settings."""
+    spec = job.spec
+    _, args, kwargs = cloudpickle.loads(spec.call)
+    params = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
+    params |= {"world_size": spec.first_plan.world_size, "backend": spec.backend,
+               "max_restarts": spec.max_restarts, "name": spec.name or spec.fn_name}
+    return {str(k)[:250]: _param_text(v) for k, v in params.items()}
+
+
+class MLflowSink:
+    """Log a job to MLflow: its parameters once, every reported metric per rank and step, one run per job.
+
+    Parameters
+    ----------
+    tracking_uri : str, optional
+        The tracking server or store (``http://host:5000``, ``sqlite:///mlflow.db``, a folder); default
+        MLflow's own (``MLFLOW_TRACKING_URI``, else ``./mlruns``).
+    experiment : str
+        The experiment's name, made when missing (default ``"dask-ddp"``).
+    run_name : str, optional
+        The MLflow run's name (default the job's name).
+    params : dict, optional
+        More parameters to log with the job's own.
+    tags : dict, optional
+        Tags for the run (``dask_ddp.run_id`` is always set).
+    flush_interval : float
+        Seconds between metric batches while the job runs (default 1).
+
+    Raises
+    ------
+    ImportError
+        At ``on_start`` when MLflow is not installed (the job logs it, disables the sink and goes on).
+    """
+
+    def __init__(self, tracking_uri: str | None = None, *, experiment: str = "dask-ddp", run_name: str | None = None,
+                 params: dict | None = None, tags: dict | None = None, flush_interval: float = 1.0):
+        if not isinstance(experiment, str) or not experiment:
+            raise TypeError(f"MLflowSink(experiment=...) takes a non-empty name, got {experiment!r}")
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.params, self.tags = dict(params or {}), {str(k): str(v) for k, v in (tags or {}).items()}
+        self.flush_interval = flush_interval
+        self.run_id: str | None = None  # the MLflow run of the current job
+        self._client = None
+        self._pending: list = []
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+
+    # ---- callbacks -----------------------------------------------------------------------------------------
+    def on_start(self, job) -> None:
+        """Make the job's MLflow run and log its parameters.
+
+        Raises
+        ------
+        ImportError
+            MLflow is not installed.
+        mlflow.exceptions.MlflowException
+            The tracking store refused (the job logs it and disables the sink).
+        """
+        from mlflow import MlflowClient
+
+        with self._lock:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            found = self._client.get_experiment_by_name(self.experiment)
+            experiment_id = found.experiment_id if found else self._client.create_experiment(self.experiment)
+            name = self.run_name or getattr(job, "name", None)
+            tags = self.tags | ({"dask_ddp.run_id": job.run_id} if job is not None else {})
+            self.run_id = self._client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
+            params = (job_params(job) if job is not None else {}) | {k: _param_text(v) for k, v in self.params.items()}
+            self._log_params(params)
+
+    def on_metrics(self, event: dict) -> None:
+        """Queue one metric per reported number of ``event`` (``<key>/rank<r>``); send them when a flush is due."""
+        from mlflow.entities import Metric
+
+        rank, step = event.get("rank", 0), int(event.get("step") or 0)
+        stamp = int(1000 * float(event.get("time") or time.time()))
+        with self._lock:
+            for key, value in event.items():
+                if key in LEAD or key == "kind" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                self._pending.append(Metric(f"{key}/rank{rank}", float(value), stamp, step))
+            if time.monotonic() - self._last_flush >= self.flush_interval:
+                self._flush()
+
+    def on_restart(self, job, attempt: int) -> None:
+        """The same MLflow run goes on; the tag ``dask_ddp.attempts`` counts the attempts."""
+        with self._lock:
+            self._flush()
+            if self.run_id is not None:
+                self._client.set_tag(self.run_id, "dask_ddp.attempts", str(attempt + 1))
+
+    def on_finish(self, job) -> None:
+        """Send what is queued and end the run with the job's outcome; the sink is then ready for another job."""
+        with self._lock:
+            try:
+                self._flush()
+                if self.run_id is not None:
+                    state = getattr(job, "state", "FINISHED")
+                    status = {"FINISHED": "FINISHED", "CANCELLED": "KILLED"}.get(state, "FAILED")
+                    self._client.set_terminated(self.run_id, status=status)
+            finally:
+                self.run_id, self._pending = None, []
+
+    # ---- sending -------------------------------------------------------------------------------------------
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self._client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def _flush(self) -> None:
+        self._last_flush = time.monotonic()
+        pending, self._pending = self._pending, []
+        if self.run_id is None:
+            return
+        for i in range(0, len(pending), MAX_BATCH):
+            self._client.log_batch(self.run_id, metrics=pending[i:i + MAX_BATCH])
+
+    def __repr__(self) -> str:
+        uri = None if self.tracking_uri is None else redact(self.tracking_uri)
+        return f"MLflowSink({uri!r}, experiment={self.experiment!r})"

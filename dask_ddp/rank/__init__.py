@@ -1,0 +1,10 @@
+"""The rank wing: the rank process (one per rank per job) and its zygote.
+
+Runs in: the rank process, forked from its worker's warm zygote (:mod:`.zygote`) or started
+fresh: its main loop and rendezvous (:mod:`.main`), ``get_context()`` and the per-rank
+helpers (:mod:`.context`), ``report()`` (:mod:`.reporting`), telemetry (:mod:`.telemetry`,
+:mod:`.collectives`), preemption inside a rank (:mod:`.preemption`), GPU placement
+(:mod:`.devices`) and where its store and collectives listen (:mod:`.network`).
+
+May import: :mod:`dask_ddp.data` and :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
+"""

@@ -1,0 +1,305 @@
+"""Preemption inside a rank: a notice that a worker leaves, one agreed step to save at, then a clean stop.
+
+Runs in: the rank process. A notice reaches a rank three ways: its supervisor
+sends :class:`~dask_ddp.wire.messages.Notice` (its worker is closing, or the job
+grows), the rank process gets SIGTERM itself, or a peer announced one in the
+job's rendezvous store (each rank has a watcher thread blocked on that key, on
+a store connection of its own). The notice sets one module flag; ``report()``
+checks it (its only cost before a notice) and then, at each report:
+
+1. posts the step it is at under ``dask_ddp/pre/seen/<rank>``, once;
+2. once every rank has posted, takes ``M`` = the largest posted step: every
+   rank stops at its first report whose step is greater than ``M``.
+
+No rank can be past that report when it learns ``M``: between two reports
+each rank runs at least one collective, so no rank is more than one report
+ahead of the last rank to post (hence: every rank must call ``report()`` at
+the same points, as with any collective). At the agreed step dask-ddp saves
+what :func:`on_preemption` registered (``save_checkpoint`` on the job's
+``checkpoint_dir``) and raises :class:`Preempted` from ``report()``; without a
+registered save, :func:`preempted` returns the notice there so that the code
+saves and raises it itself. The rank process then waits at a store barrier
+until every rank has stopped (the save is committed) and tells its supervisor
+(:class:`~dask_ddp.wire.messages.Saved`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["Preempted", "preempted", "on_preemption"]
+
+KEY = "dask_ddp/pre/"
+_FOREVER = timedelta(days=7)  # a watcher's wait: a timed-out wait logs warnings, so wait long
+END = "end"  # the notice key's value once every rank has finished: the watchers return
+
+
+class Preempted(BaseException):
+    """Raised by ``report()`` at the step every rank agreed to stop at; a job restarts from what was saved there.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``): an ``except Exception`` in training code lets it pass.
+    Attributes: ``step`` (the agreed step), ``cause``, ``deadline`` (``time.time()`` by which the save must be
+    committed), ``time_left`` (seconds left now), ``saved`` (dask-ddp saved the registered state).
+    """
+
+    def __init__(self, step: int, cause: str, deadline: float, saved: bool = False):
+        super().__init__(f"preempted at step {step}: {cause}")
+        self.step, self.cause, self.deadline, self.saved = step, cause, deadline, saved
+
+    @property
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+    def __reduce__(self):
+        return (Preempted, (self.step, self.cause, self.deadline, self.saved))
+
+
+class _Rank:
+    """This rank's side of the protocol: its store, its notice, where it stands."""
+
+    def __init__(self, store, rank: int, world_size: int, send: Callable, grace: float):
+        self.store, self.rank, self.world_size, self.send, self.grace = store, rank, world_size, send, grace
+        self.notice: dict | None = None
+        self.heard = 0.0  # time.time() the notice reached this rank
+        self.posted = False
+        self.stop_after: int | None = None  # M: stop at the first report with a step above it
+        self.due: Preempted | None = None
+        self.raised_by_us = False
+        self.forced = False
+        self.times: dict[str, float] = {}  # when each phase was reached (time.time()), for job.history and tests
+        self.lock = threading.Lock()
+
+
+_RANK: _Rank | None = None
+_PENDING: dict | None = None  # the notice, once one reached this rank: report()'s one check
+_SAVE: tuple[Callable[[], dict], dict] | None = None
+_EARLY: dict | None = None  # a notice that came before start()
+_POLLED = False  # the code called preempted(): it saves by itself
+_WATCHER: threading.Thread | None = None  # this rank's watcher of the notice key
+
+
+def grace_period() -> float:
+    """``ddp.preemption.grace-period`` (seconds), as this process's config says: how long a leaving worker waits
+    for its ranks' save, and what a rank process that receives SIGTERM gives the job."""
+    import dask
+
+    return float(dask.config.get("ddp.preemption.grace-period", 25))
+
+
+def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
+    """Register what to save when this job is preempted: ``state()`` returns the dict to save.
+
+    At the step every rank agreed to stop at, ``report()`` calls ``state()`` and
+    ``save_checkpoint(state(), step=that step, all_ranks=all_ranks, keep=keep)`` in the
+    job's ``checkpoint_dir``, then raises :class:`Preempted`; the job restarts and
+    ``load_checkpoint()`` returns that state. Call it on every rank, before the loop.
+
+    Raises
+    ------
+    TypeError
+        ``state`` is not callable.
+    """
+    global _SAVE
+    if not callable(state):
+        raise TypeError(f"on_preemption(state=...) takes a function returning the dict to save, got "
+                        f"{type(state).__name__}")
+    _SAVE = (state, {"all_ranks": all_ranks, "keep": keep})
+
+
+def preempted() -> Preempted | None:
+    """The preemption due at this step, or None (always None outside a rank, or before any notice).
+
+    Without :func:`on_preemption`, ``report()`` returns normally at the agreed step and this returns a
+    :class:`Preempted`: save with ``save_checkpoint(state, step=p.step)``, then ``raise p``. A ``report()``
+    after that step raises it anyway. ``p.time_left`` is the time left in the grace period.
+    """
+    global _POLLED
+    _POLLED = True
+    return _RANK.due if _RANK is not None else None
+
+
+def can_save() -> bool:
+    """Whether this rank's code takes part in preemption: it registered a save or polls :func:`preempted`."""
+    return _SAVE is not None or _POLLED
+
+
+# ---- the rank process's side -------------------------------------------------------------------------
+def start(store, master_addr: str, port: int, rank: int, world_size: int, send: Callable, grace: float,
+          worker: str = "") -> None:
+    """Set up this rank (in its main thread): the SIGTERM handler and the watcher of the store's notice key."""
+    global _RANK
+    _RANK = _Rank(store, rank, world_size, send, grace)
+    owner = os.getpid()
+
+    def on_sigterm(signum, frame):
+        if os.getpid() != owner or not can_save():  # a DataLoader worker, or code that cannot save: die
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        announce(time.time() + grace, f"rank {rank}'s process on worker {worker} received SIGTERM", worker,
+                 "signal", thread=True)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    global _WATCHER
+    _WATCHER = threading.Thread(target=_watch, args=(master_addr, port), name="dask-ddp-notice", daemon=True)
+    _WATCHER.start()
+    if _EARLY is not None:
+        announce(_EARLY["deadline"], _EARLY["cause"], _EARLY["worker"], _EARLY["kind"])
+
+
+def _watch(master_addr: str, port: int) -> None:
+    import torch.distributed as dist
+
+    try:
+        own = dist.TCPStore(master_addr, port, is_master=False, timeout=_FOREVER)
+        own.wait([KEY + "notice"], _FOREVER)
+        value = own.get(KEY + "notice").decode()
+        if value == END:
+            own.add(KEY + "released", 1)
+            return
+        _heard(json.loads(value))
+    except Exception:  # noqa: BLE001 - the store closed: the job ended
+        return
+
+
+def release(store, rank: int, world_size: int, wait: float = 2.0) -> None:
+    """At the end of a job whose ranks all returned (after the ``done`` count): let the notice watchers go.
+
+    A watcher blocks in a store ``wait``; if rank 0 closed the store under it, torch would print a warning
+    with a C++ stack trace into the rank's output. So rank 0 sets the notice key to :data:`END` (unless a real
+    notice is there: the watchers have returned already), which wakes every watcher, and waits up to ``wait``
+    seconds until they all said so; the other ranks wait for their own watcher as long.
+    """
+    try:
+        if rank == 0:
+            if store.compare_set(KEY + "notice", "", END).decode() != END:
+                return
+            _wait_count(store, KEY + "released", world_size, time.time() + wait)
+        elif _WATCHER is not None:
+            _WATCHER.join(wait)
+    except Exception:  # noqa: BLE001 - the store is gone: nothing is left to wait for
+        return
+
+
+def announce(deadline: float, cause: str, worker: str, kind: str = "leave", thread: bool = False) -> None:
+    """A notice reached this rank: note it and publish it to every rank (through the store)."""
+    note = {"deadline": deadline, "cause": cause, "worker": worker, "kind": kind}
+    if thread:  # from a signal handler: no store I/O there
+        threading.Thread(target=announce, args=(deadline, cause, worker, kind), daemon=True).start()
+        return
+    global _EARLY
+    if _RANK is None:  # before the process group exists: kept for start()
+        _EARLY = note
+        return
+    try:
+        _RANK.store.compare_set(KEY + "notice", "", json.dumps(note))  # the first notice wins
+    except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+        pass
+    _heard(note)
+
+
+def _heard(note: dict) -> None:
+    global _PENDING
+    st = _RANK
+    with st.lock:
+        if st.notice is not None:
+            return
+        st.notice, st.heard = note, time.time()
+        _PENDING = note
+    try:
+        from dask_ddp.wire.messages import NoticeSeen
+
+        st.send(NoticeSeen(note["deadline"], note["cause"], note.get("worker", ""), can_save(),
+                           note.get("kind", "leave")))
+    except Exception:  # noqa: BLE001 - the socket closed: the rank is being stopped
+        pass
+
+
+def at_report(step: int) -> None:
+    """``report()``'s slow path, once a notice is known: agree on the step, save and stop there."""
+    st = _RANK
+    if st is None or st.notice is None:
+        return
+    if st.due is not None:
+        st.forced = st.forced or not st.raised_by_us  # the code did not stop at the agreed step: nothing saved
+        raise st.due
+    if st.stop_after is None:
+        if not st.posted:
+            st.store.set(f"{KEY}seen/{st.rank}", str(step))
+            st.store.add(KEY + "seen", 1)
+            st.posted, st.times["posted"] = True, time.time()
+        if int(st.store.add(KEY + "seen", 0)) < st.world_size:
+            return
+        st.stop_after = max(int(st.store.get(f"{KEY}seen/{r}")) for r in range(st.world_size))
+        st.times["agreed"] = time.time()
+    if step > st.stop_after:
+        _stop_at(st, step)
+
+
+def _stop_at(st: _Rank, step: int) -> None:
+    from dask_ddp.data.checkpoint import save_checkpoint
+
+    note = st.notice
+    st.due = Preempted(step, note["cause"], note["deadline"])
+    st.due.started = time.time()
+    if _SAVE is None:
+        return  # preempted() tells the code; the next report() raises
+    fn, kw = _SAVE
+    state = fn()
+    if time.time() < note["deadline"]:  # past it, the leaving rank is gone: a save now could never be committed
+        save_checkpoint(state, step=step, **kw)
+        st.due.saved = True
+    st.raised_by_us = True
+    raise st.due
+
+
+def stopped(exc: Preempted) -> dict:
+    """After the function raised ``exc``: wait until every rank has stopped (the save is committed) and
+    return what the supervisor is told. Raises nothing."""
+    st = _RANK
+    done = time.time()
+    committed = _barrier(st, exc.deadline) if st is not None else False
+    times = {k: round(v - st.heard, 4) for k, v in st.times.items()} if st is not None else {}
+    note = (st.notice if st is not None else None) or {}
+    started = getattr(exc, "started", done)
+    saved = exc.saved or (st is not None and not st.forced)  # raised by the code itself: it saved first
+    return {"step": exc.step, "saved": bool(saved),
+            "committed": committed, "cause": exc.cause, "worker": note.get("worker", ""),
+            "kind": note.get("kind", "leave"),
+            "deadline": exc.deadline, "heard": st.heard if st is not None else done,
+            "save_took": done - started, "commit_time": time.time(), "phases": times}
+
+
+def _barrier(st: _Rank, deadline: float) -> bool:
+    """Every rank has stopped at the agreed step (rank 0's store closing means it saw them all)."""
+    try:
+        st.store.add(KEY + "stopped", 1)
+        st.times["stopped"] = time.time()
+        while time.time() < deadline:
+            if int(st.store.add(KEY + "stopped", 0)) >= st.world_size:
+                st.times["all_stopped"] = time.time()
+                st.store.add(KEY + "left", 1)
+                if st.rank == 0:  # it hosts the store: it stays until the others have seen the count
+                    _wait_count(st.store, KEY + "left", st.world_size, min(deadline, time.time() + 5))
+                return True
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - rank 0 left: only after every rank had arrived
+        return True
+    return False
+
+
+def _wait_count(store, key: str, n: int, until: float) -> None:
+    while int(store.add(key, 0)) < n and time.time() < until:
+        time.sleep(0.01)
+
+
+def _reset_for_tests() -> Any:
+    """Forget this process's notice state (for unit tests of the protocol)."""
+    global _RANK, _PENDING, _SAVE
+    _RANK, _PENDING, _SAVE = None, None, None

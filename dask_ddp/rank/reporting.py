@@ -1,0 +1,280 @@
+"""``report()``: metrics from a rank to the notebook, batched, never blocking.
+
+Runs in: the rank process (``report()`` and its flusher thread).
+
+Inside a rank, :func:`report` validates and converts the values, stamps them
+with rank, attempt, step and time, and appends them to an in-memory buffer.
+A background thread of the rank process ships the buffer to its Dask task
+(the supervisor), at most once per ``ddp.events.flush-interval`` (1 s); the
+supervisor publishes each batch at once, as one Dask event. The training
+thread never waits on the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import numbers
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from dask_ddp.rank import preemption as _preemption
+from dask_ddp.rank.context import get_context
+from dask_ddp.wire.errors import NotInRankError
+
+__all__ = ["report", "RESERVED_KEYS", "safe_text", "clip_line"]
+
+#: Keys every event carries; a metric may not use them.
+RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
+
+# What Dask's wire (msgpack) can carry: ints in [INT_MIN, INT_MAX], str that encodes as UTF-8. Dask's
+# log_event checks neither; a value outside breaks the worker's batched stream and the scheduler drops the
+# worker. So nothing leaves a rank unchecked: numbers are refused at report(), text is escaped.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+MAX_LINE = 10_000  # characters of one output line or log record kept; longer ones are cut with a marker
+
+
+def safe_text(text: str) -> str:
+    """``text`` as valid UTF-8: lone surrogates (``os.listdir``'s non-UTF-8 names) become ``\\udcXX`` escapes."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def clip_line(line: str) -> str:
+    """One output line or log record, escaped and cut to ``MAX_LINE`` characters with a marker."""
+    if len(line) > MAX_LINE:
+        line = line[:MAX_LINE] + f" ... [{len(line) - MAX_LINE} characters cut]"
+    return safe_text(line)
+
+_PLAIN = (bool, int, float)
+_BUFFER: "EventBuffer | None" = None  # set by the rank process
+_FORKED = False  # True in a process forked from a rank (a DataLoader worker): it has no flusher, so no _BUFFER
+
+
+def _plain(key: str, value: Any) -> float | int | bool:
+    """Convert a Python/NumPy number or a one-element tensor/array to a plain Python number.
+
+    Exactly ``bool``, ``int`` or ``float``: a subclass such as ``numpy.float64`` would fail
+    Dask's msgpack check on the worker, far from this call.
+    """
+    if type(value) in _PLAIN:
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            value = item()  # a tensor or array of more than one element raises
+        except (RuntimeError, ValueError, TypeError):
+            pass
+    elif isinstance(value, numbers.Integral):
+        value = int(value)
+    elif isinstance(value, numbers.Real):
+        value = float(value)
+    if type(value) is int:
+        return _in_range(key, value)
+    if type(value) in _PLAIN:
+        return value
+    raise TypeError(f"report({key}=...): a metric must be a number (Python, NumPy scalar or one-element tensor); "
+                    f"got {type(value).__name__}. Log text with print() or logging instead.")
+
+
+def _in_range(key: str, value: int) -> int:
+    if INT_MIN <= value <= INT_MAX:
+        return value
+    raise ValueError(f"report({key}={value}): an integer metric must lie in [-2**63, 2**64 - 1] to travel to "
+                     f"the client; report float({key}) instead, or a smaller unit")
+
+
+class EventBuffer:
+    """The rank's events waiting for the flusher thread; safe to add to from several threads.
+
+    Lock-free on purpose: ``report()`` runs between two training steps, when
+    the CPU caches hold the step's tensors, and every object it touches costs
+    cache misses (a lock pair alone cost ~6 us there). ``deque.append``,
+    ``deque.popleft`` and ``next(itertools.count)`` are atomic under the GIL.
+    """
+
+    def __init__(self, rank: int, attempt: int):
+        self.rank, self.attempt = rank, attempt
+        self.items: deque[dict] = deque()
+        self.steps = itertools.count()
+
+    def add(self, item: dict) -> None:
+        self.items.append(item)
+
+    def next_step(self, step: int | None) -> int:
+        if step is None:
+            return next(self.steps)
+        self.steps = itertools.count(step + 1)
+        return step
+
+    def drain(self) -> list[dict]:
+        out, pop = [], self.items.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            return out
+
+
+def report(metrics: dict | None = None, /, *, step: int | None = None, **values: Any) -> None:
+    """Send metrics from this rank to the client: ``dask_ddp.report(loss=0.3, epoch=1)``.
+
+    Values may be Python numbers, NumPy scalars or one-element tensors (a CUDA
+    tensor's ``.item()`` waits for the GPU, as anywhere). ``step`` defaults to
+    a per-rank counter of calls (0, 1, 2, ...). The call only appends to a
+    buffer (a few microseconds); a background thread ships it within 0.1 s,
+    or, while the rank reports often, as one batch every
+    ``ddp.events.flush-interval`` (1 s). Every report reaches
+    ``job.metrics``, in order. It is the step boundary of preemption: when a
+    worker of the job is leaving, every rank stops at one agreed report (see
+    :func:`dask_ddp.on_preemption`).
+
+    Raises
+    ------
+    NotInRankError
+        Outside a dask-ddp rank.
+    TypeError
+        When a key is not a string or a value is not a number (names the key).
+    ValueError
+        When a key is one of the reserved names (``rank``, ``step``, ``time``, ...), or an integer lies
+        outside [-2**63, 2**64 - 1], what the wire to the client can carry (names the key).
+    Preempted
+        At the step every rank agreed to stop at for a preemption, after saving what
+        :func:`dask_ddp.on_preemption` registered (a ``BaseException``: the job restarts from there).
+    """
+    buf = _BUFFER
+    if buf is None:
+        where = ("in a process with no channel to the client (a DataLoader worker?): call it from the rank's main "
+                 "process, e.g. once per batch in the training loop" if _FORKED or _in_rank() else
+                 "outside a dask-ddp rank: call it inside the function you pass to dask_ddp.dispatch.run(client, "
+                 "fn, ...)")
+        raise NotInRankError(f"report() was called {where}")
+    if metrics:
+        for key in metrics:
+            if not isinstance(key, str):
+                raise TypeError(f"report(): metric names must be strings, got {key!r} ({type(key).__name__})")
+        values = {**metrics, **values}
+        if not all(key.isascii() for key in values):  # a name with lone surrogates cannot travel: escape it
+            values = {safe_text(key): value for key, value in values.items()}
+    if not RESERVED_KEYS.isdisjoint(values):
+        key = sorted(RESERVED_KEYS.intersection(values))[0]
+        raise ValueError(f"report(): {key!r} is a reserved name ({', '.join(sorted(RESERVED_KEYS))}); "
+                         "rename the metric")
+    for key, value in values.items():
+        if type(value) is not float:  # the common case, fast
+            if type(value) is int:
+                if not INT_MIN <= value <= INT_MAX:
+                    _in_range(key, value)
+            else:
+                values[key] = _plain(key, value)
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
+        _in_range("step", int(step))
+    step = buf.next_step(None if step is None else int(step))
+    buf.items.append({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
+                      **values})
+    if _preemption._PENDING is not None:  # a worker of the job leaves: agree on a step, save, stop there
+        _preemption.at_report(step)
+
+
+def _forget_buffer() -> None:
+    """In a forked child (a DataLoader worker) the inherited buffer would fill up unsent: drop it."""
+    global _BUFFER, _FORKED
+    _BUFFER, _FORKED = None, True
+
+
+def _in_rank() -> bool:
+    try:
+        get_context()
+    except NotInRankError:
+        return False
+    return True
+
+
+class _LogHandler(logging.Handler):
+    """Forwards a rank's ``logging`` records as log events (kept with level and logger name)."""
+
+    def __init__(self, buf: EventBuffer):
+        super().__init__(level=logging.NOTSET)
+        self.buf = buf
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.buf.add({"kind": "log", "rank": self.buf.rank, "attempt": self.buf.attempt, "time": record.created,
+                          "stream": "logging", "level": safe_text(str(record.levelname)),
+                          "line": clip_line(self.format(record))})
+        except Exception:  # a broken log record must never break training
+            self.handleError(record)
+
+
+TICK = 0.1  # seconds between the flusher's looks at the buffer
+
+
+class Flusher(threading.Thread):
+    """Ships the buffer through ``send(items)`` until stopped: at most once per ``interval`` seconds.
+
+    Items after a quiet spell go within a tick (0.1 s); while a rank reports
+    often they go as one batch per ``interval``. Each batch costs the worker,
+    scheduler and client about the same whatever its size, so this bounds what
+    reporting every step costs, and a rare report still arrives at once.
+    """
+
+    def __init__(self, buf: EventBuffer, send: Callable[[list], None], interval: float, sampler=None):
+        super().__init__(name="dask-ddp-flusher", daemon=True)
+        self.buf, self.send, self.interval = buf, send, interval
+        self.sampler = sampler  # a telemetry.Sampler: adds a telemetry item to a batch when one is due
+        self._stop_event = threading.Event()
+        self._send_lock = threading.Lock()  # stop() flushes from another thread: batches must not overtake
+        self._sent = float("-inf")  # the last batch that carried reports or logs
+        self._any = float("-inf")  # the last batch of any kind
+
+    def run(self) -> None:
+        while not self._stop_event.wait(min(TICK, self.interval)):
+            now = time.monotonic()
+            if self.buf.items:
+                if now - self._sent >= self.interval:
+                    self.flush()
+            elif self.sampler is not None and self.sampler.due(now) and now - self._any >= self.interval:
+                self.flush(quiet=True)  # a quiet rank still sends its telemetry, at most once per interval
+
+    def flush(self, final: bool = False, quiet: bool = False) -> None:
+        """Send what the buffer holds (and a telemetry item when due). ``quiet``: a telemetry-only batch, which
+        does not hold back the next report (a report after a quiet spell still goes within a tick)."""
+        with self._send_lock:
+            items = self.buf.drain()
+            if self.sampler is not None:  # telemetry rides in the batch that goes anyway
+                items = self.sampler.observe(items, force=final)
+            if items:
+                self._any = time.monotonic()
+                if not quiet:
+                    self._sent = self._any
+                self.send(items)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.flush(final=True)
+
+
+def install(buf: EventBuffer, send: Callable[[list], None], interval: float, sampler=None) -> Flusher:
+    """Make ``buf`` this process's report buffer, forward logging records into it, start the flusher
+    (which adds ``sampler``'s telemetry items to its batches)."""
+    global _BUFFER
+    _BUFFER = buf
+    os.register_at_fork(after_in_child=_forget_buffer)  # once per rank process: it runs one job
+    root = logging.getLogger()
+    root.addHandler(_LogHandler(buf))
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    flusher = Flusher(buf, send, interval, sampler)
+    flusher.start()
+    return flusher

@@ -1,0 +1,290 @@
+"""Rank processes as their Dask worker sees them: start one, talk to it, kill it.
+
+Runs in: the Dask worker. Two ways to get a rank process, one interface
+(``pid``, ``conn``, ``stdout``, ``stderr``, :meth:`alive`, :meth:`send`,
+:meth:`wait`, :meth:`kill`):
+
+- :class:`ForkedRank`, forked by the worker's :class:`Zygote` (see
+  :mod:`dask_ddp.rank.zygote`): tens of milliseconds once the zygote is warm;
+- :class:`RankProcess`, a fresh ``python -m dask_ddp.rank.main`` (``ddp.zygote:
+  false``, or when the zygote cannot start): seconds, for ``import torch``.
+
+Either runs in a process group of its own, so that killing the group also
+kills the DataLoader workers it started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import dask
+
+from dask_ddp.wire.task import TOKEN_VARIABLE
+
+__all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots"]
+
+
+def _rank_environment() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # a print of text with lone surrogates (os.listdir of non-UTF-8 names) is shown escaped, not raised
+    env.setdefault("PYTHONIOENCODING", "utf-8:backslashreplace")
+    # The Nanny sets MALLOC_TRIM_THRESHOLD_=65536 for the worker (distributed.nanny.pre-spawn-environ);
+    # in a training process it makes glibc give memory back after every step: a few % slower per step.
+    nanny = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+    if env.get("MALLOC_TRIM_THRESHOLD_") == str(nanny.get("MALLOC_TRIM_THRESHOLD_", "")):
+        env.pop("MALLOC_TRIM_THRESHOLD_")
+    return env
+
+
+def stop_marked(token: str) -> list[int]:
+    """SIGKILL every process of this user whose environment holds ``DASK_DDP_RANK_TOKEN=token``; return their pids.
+
+    That finds what a rank started and what left its process group (``start_new_session=True``, a
+    daemon), whoever its parent is now. Raises nothing.
+    """
+    import psutil
+
+    mark, killed = f"{TOKEN_VARIABLE}={token}".encode(), []
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.pid == os.getpid() or proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+                continue
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            proc.kill()
+            killed.append(proc.pid)
+        except (OSError, psutil.Error):  # gone meanwhile, or not ours to read
+            continue
+    return killed
+
+
+def worker_tmp_root() -> str:
+    """This worker process's folder of rank TMPDIRs, ``<system temp>/ddp-w<pid>``, made if missing.
+
+    A worker killed with its ranks leaves it behind; the next worker's :class:`~dask_ddp.worker.plugin.RankHost`
+    removes the folders of workers that are gone (:func:`sweep_tmp_roots`).
+    """
+    root = os.path.join(tempfile.gettempdir(), f"ddp-w{os.getpid()}")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def sweep_tmp_roots() -> list[str]:
+    """Remove the rank TMPDIR folders of worker processes that no longer run; return what was removed.
+
+    Raises nothing (best effort: a pid reused by another process keeps its folder until that one ends).
+    """
+    import psutil
+
+    removed = []
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len("ddp-w"):] if name.startswith("ddp-w") else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+class _Rank:
+    """What both kinds of rank process share: the socket to it and killing its process group."""
+
+    pid: int
+    conn: Connection
+    stdout: object
+    stderr: object
+
+    def __init__(self):
+        self._send_lock = threading.Lock()
+        self.pumped = False  # whether a reader owns stdout/stderr (and closes them at their end)
+
+    def send(self, msg) -> None:
+        """Send one message to the rank (thread-safe); raises OSError once the socket is closed."""
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def kill(self) -> None:
+        """SIGKILL the rank's whole process group (DataLoader workers included) and wait for it to end."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.wait(10)
+        self.conn.close()
+        if not self.pumped:  # else its reader closes it: closing under a blocked readline() would block here,
+            for stream in (self.stdout, self.stderr):  # as long as a helper that escaped holds the pipe open
+                stream.close()
+
+
+class RankProcess(_Rank):
+    """A fresh child interpreter (``python -m dask_ddp.rank.main``) that imports torch itself."""
+
+    def __init__(self):
+        super().__init__()
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dask_ddp.rank.main", str(child.fileno())], pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            env=_rank_environment())
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.pid, self.stdout, self.stderr = self.proc.pid, self.proc.stdout, self.proc.stderr
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.proc.poll() is None
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code once it has ended (negative: killed by that signal), None if it still runs."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class Zygote:
+    """The worker's warm zygote process (:mod:`dask_ddp.rank.zygote`) and what it said about its children."""
+
+    def __init__(self):
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dask_ddp.rank.zygote", str(child.fileno())], pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL, start_new_session=True, env=_rank_environment())
+        child.close()
+        self.pid = self.proc.pid
+        self.sock = parent
+        self._replies = Connection(os.dup(parent.fileno()), writable=False)
+        self._cond = threading.Condition()
+        self._ready = False
+        self._error: str | None = None
+        self._forked: list[int] = []
+        self.exits: dict[int, int] = {}  # child pid -> exit code, for children that ended
+        self._fork_lock = threading.Lock()
+        threading.Thread(target=self._read, name="dask-ddp-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._replies.recv()
+                with self._cond:
+                    if msg[0] == "ready":
+                        self._ready = True
+                    elif msg[0] == "forked":
+                        self._forked.append(msg[1])
+                    elif msg[0] == "exit":
+                        self.exits[msg[1]] = msg[2]
+                    elif msg[0] == "error":
+                        self._error = msg[1]
+                    self._cond.notify_all()
+        except (EOFError, OSError):
+            with self._cond:
+                self._error = self._error or "the zygote process ended"
+                self._cond.notify_all()
+
+    def alive(self) -> bool:
+        return self._error is None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the zygote has imported torch; True if it has (False: failed or still importing)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._error is not None, timeout=timeout)
+            return self._ready and self._error is None
+
+    def fork(self, timeout: float = 30.0) -> "ForkedRank":
+        """A new rank process, forked from the warm zygote.
+
+        Raises
+        ------
+        OSError
+            The zygote is gone or did not answer within ``timeout`` seconds.
+        """
+        ours, theirs = socket.socketpair()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            with self._fork_lock:  # one request at a time: answers come in order
+                with self._cond:
+                    self._forked.clear()
+                socket.send_fds(self.sock, [b"F"], [theirs.fileno(), out_w, err_w])
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._forked or self._error, timeout=timeout) or \
+                            not self._forked:
+                        raise OSError(f"the zygote (pid {self.pid}) did not fork a rank: {self._error or 'no answer'}")
+                    pid = self._forked.pop()
+        except BaseException:
+            ours.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            theirs.close()
+            for fd in (out_w, err_w):
+                os.close(fd)
+        return ForkedRank(self, pid, Connection(ours.detach()), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        """The exit code of child ``pid`` once the zygote has reaped it (None: not within ``timeout``)."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self.exits or self._error is not None, timeout=timeout)
+            return self.exits.pop(pid, None)
+
+    def close(self) -> None:
+        """Stop the zygote (its children notice and die)."""
+        self.sock.close()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._replies.close()
+
+
+class ForkedRank(_Rank):
+    """A rank process forked by the worker's :class:`Zygote` (its parent is the zygote, not the worker)."""
+
+    def __init__(self, zygote: Zygote, pid: int, conn: Connection, stdout, stderr):
+        super().__init__()
+        self.zygote, self.pid, self.conn, self.stdout, self.stderr = zygote, pid, conn, stdout, stderr
+        self._code: int | None = None
+
+    def alive(self) -> bool:
+        """True while the process runs (the zygote has not reported its end)."""
+        if self._code is not None:
+            return False
+        with self.zygote._cond:
+            if self.pid in self.zygote.exits:
+                return False
+        if not self.zygote.alive():  # nobody reaps it: ask the kernel
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+        return True
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code once it has ended (negative: killed by that signal), None if not within ``timeout``."""
+        if self._code is None:
+            deadline = time.monotonic() + timeout
+            self._code = self.zygote.exit_code(self.pid, timeout)
+            while self._code is None and not self.zygote.alive() and time.monotonic() < deadline:
+                if not self.alive():
+                    self._code = -signal.SIGKILL  # unknown: its zygote died before reporting it
+                time.sleep(0.05)
+        return self._code
