@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 import dask_ddp
 from dask_ddp.client.cluster import scheduler_workers
-from dask_ddp.client.events import Relay, escaped, wire_safe
 from dask_ddp.rank import reporting
+from dask_ddp.wire.events import MAX_LINE, escaped, wire_safe
+from dask_ddp.worker.relay import Relay
 
 SURROGATES = st.integers(0xD800, 0xDFFF).map(chr)
 TEXT = st.one_of(
@@ -73,7 +74,7 @@ def test_log_records_always_encode_and_are_cut(buffer, message, arg, name):
     for msg, args in ((message, ()), ("skipping %s", (arg,))):  # logging.warning(text), and with an argument
         handler.emit(logging.LogRecord(name or "x", logging.WARNING, __file__, 1, msg, args, None))
     assert len(buffer.items) == 2 and all(encodes(item) for item in buffer.items)
-    assert all(len(item["line"]) <= 4 * (reporting.MAX_LINE + 100) for item in buffer.items)  # escapes grow it
+    assert all(len(item["line"]) <= 4 * (MAX_LINE + 100) for item in buffer.items)  # escapes grow it
 
 
 class FakeWorker:

@@ -413,7 +413,7 @@ def test_each_host_publishes_its_ranks_events_through_its_own_hub(three_hosts):
     its own host's ranks; every report arrives, in order."""
     from test_hub import hub_of, watched_report_job
 
-    from dask_ddp.worker.hub import unpack
+    from dask_ddp.wire.events import unpack
 
     job, events = watched_report_job(three_hosts.client, 4.0, 300, per_host=True, flush_interval=0.2)
     plan = job.attempt.plan

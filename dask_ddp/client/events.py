@@ -1,20 +1,12 @@
-"""Events between ranks and the notebook, over Dask's ``log_event`` / ``subscribe_topic``.
+"""A job's events on the client: the feed of its Dask topic, in order, and the workers that leave.
 
-Runs in: the Dask worker (:class:`Relay`) and the client (:class:`TopicFeed`,
-:class:`EventOrder`, :class:`WorkerWatch`); one batch format between them.
+Runs in: the client (:class:`TopicFeed`, :class:`EventOrder`, :class:`WorkerWatch`).
 
-Worker side, :class:`Relay` publishes one event per batch
-(``{"run", "rank", "attempt", "seq", "items"}``) on the job's topic, at most
-``ddp.events.max-batch-bytes`` each: a batch of reports from the rank at once
-(the rank sends one at most every ``ddp.events.flush-interval``), with any
-output lines gathered meanwhile; output lines alone at the same pace. Each batch
-costs about 2 ms of CPU across the rank, worker, scheduler and client, whatever
-its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``); in a job
-that aggregates per host the Relay hands its batches to the host's hub instead
-(:mod:`dask_ddp.worker.hub`), which publishes several ranks' batches as one event. Client
-side, :class:`TopicFeed` subscribes before the ranks start, backfills once
-with ``get_events`` (subscribing does not replay the past) and unpacks hub
-events into rank batches; :class:`EventOrder` drops batches already seen, keyed
+The ranks' batches (the format of :mod:`dask_ddp.wire.events`) are published by
+each rank's :class:`~dask_ddp.worker.relay.Relay`, or a host's hub.
+:class:`TopicFeed` subscribes before the ranks start, backfills once with
+``get_events`` (subscribing does not replay the past) and unpacks hub events
+into rank batches; :class:`EventOrder` drops batches already seen, keyed
 by (attempt, rank, seq), and puts each rank's in the order it sent them. Handlers of
 ``subscribe_topic`` run on the client's event loop, so they only enqueue.
 
@@ -27,127 +19,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import weakref
 from typing import Callable
 
-import dask
-import msgpack
+from dask_ddp.wire.events import unpack
+from dask_ddp.worker.relay import drop_topic
 
-from dask_ddp.rank.reporting import INT_MAX, INT_MIN, TICK, clip_line, safe_text
-from dask_ddp.worker.hub import chunked, forward, item_size, unpack
-
-__all__ = ["Relay", "EventOrder", "TopicFeed", "WorkerWatch"]
+__all__ = ["EventOrder", "TopicFeed", "WorkerWatch"]
 
 logger = logging.getLogger("dask_ddp")
-
-
-def wire_safe(msg) -> bool:
-    """Whether ``msg`` encodes as Dask's batched stream does (msgpack): Dask's own check lets more through."""
-    try:
-        msgpack.packb(msg, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError):  # UnicodeEncodeError is a ValueError
-        return False
-    return True
-
-
-def escaped(value):
-    """``value`` made wire-safe: text escaped, integers out of msgpack's range as floats, other objects as text."""
-    if isinstance(value, dict):
-        return {safe_text(str(k)): escaped(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [escaped(v) for v in value]
-    if type(value) is str:
-        return safe_text(value)
-    if type(value) is int:
-        return value if INT_MIN <= value <= INT_MAX else float(value)
-    if value is None or type(value) in (bool, float, bytes):
-        return value
-    return safe_text(repr(value))
-
-
-class Relay:
-    """Collects one rank's events on the worker and publishes them in batches (thread-safe)."""
-
-    def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None,
-                 via: str | None = None, hub_interval: float = 1.0):
-        self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
-        self.via, self.hub_interval = via, hub_interval  # the worker whose hub publishes for this host (dask_ddp.worker.hub)
-        self.seq = -1
-        self._items: list[dict] = []
-        self._lock = threading.Lock()
-        self._publish_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.interval = dask.config.get("ddp.events.flush-interval") if interval is None else interval
-        self.max_bytes = dask.config.get("ddp.events.max-batch-bytes")
-        self._published = float("-inf")
-
-    def log(self, stream: str, line: str) -> None:
-        self.extend([{"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
-                      "stream": stream, "line": clip_line(line)}])
-
-    def extend(self, items: list[dict], now: bool = False) -> None:
-        """Queue ``items``; ``now``: publish them (and the lines queued before) at once, as one batch; through a
-        hub, hand them to it from the relay's thread at once (the hub publishes them on its own schedule)."""
-        with self._lock:
-            self._items.extend(items)
-        if now:
-            if self.via is None:
-                self.flush()
-            else:  # a forward waits for the hub's publication: not in the caller's thread (the supervisor's)
-                self._wake.set()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="dask-ddp-relay", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        # Output lines go within a tick after a quiet spell, else with the next rank batch or an interval after
-        # the last batch: a rank printing every step adds no more than one batch per interval
-        while not self._stop.is_set():
-            woken = self._wake.wait(min(TICK, self.interval))
-            self._wake.clear()
-            if not self._stop.is_set() and self._items and (woken or time.monotonic() - self._published
-                                                            >= self.interval):
-                self.flush(now=False)
-
-    def flush(self, now: bool = True) -> None:
-        """Publish what is queued (through the host's hub, if any; ``now``: it publishes at once too)."""
-        with self._publish_lock:  # one publisher at a time keeps seq in order
-            with self._lock:
-                items, self._items = self._items, []
-            msgs = [self._message(batch) for batch in chunked(items, item_size, self.max_bytes)]
-            if msgs:
-                self._published = time.monotonic()
-                self._publish(msgs, now)
-
-    def _message(self, batch: list[dict]) -> dict:
-        self.seq += 1
-        msg = {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq, "items": batch}
-        if not wire_safe(msg):  # the last guard: a message msgpack refuses would cost the worker its scheduler
-            msg = escaped(msg)
-        return msg
-
-    def _publish(self, msgs: list[dict], now: bool) -> None:
-        if self.via is not None:
-            try:
-                return forward(self.worker, self.via, self.topic, self.run_id, self.hub_interval, msgs, now)
-            except Exception as exc:  # noqa: BLE001 - the hub's worker is gone or stuck: publish ourselves
-                logger.warning("rank %s: the event hub on worker %s did not take its batches (%r); this worker "
-                               "publishes them itself from now on", self.rank, self.via, exc)
-                self.via = None
-        for msg in msgs:
-            self.worker.log_event(self.topic, msg)
-
-    def stop(self) -> None:
-        """Stop the relay's thread and publish what is left (through a hub: it publishes at once)."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.flush()
 
 
 class EventOrder:
@@ -247,7 +127,7 @@ class TopicFeed:
         handlers = getattr(self.client, "_event_handlers", None)  # private (distributed 2026.7): guarded
         if drop:
             try:
-                self.client.run_on_scheduler(_drop_topic, self.topic)
+                self.client.run_on_scheduler(drop_topic, self.topic)
             except Exception:  # noqa: BLE001 - the client or scheduler is gone: so is the topic, or it stays
                 drop = False
         if not drop:
@@ -257,12 +137,6 @@ class TopicFeed:
                 pass
         if isinstance(handlers, dict):
             handlers.pop(self.topic, None)
-
-
-def _drop_topic(topic: str, dask_scheduler=None) -> bool:
-    """On the scheduler: forget ``topic``, its events and its subscribers (``Broker._topics``, private)."""
-    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)
-    return topics is not None and topics.pop(topic, None) is not None
 
 
 class WorkerWatch:

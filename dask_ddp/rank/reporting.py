@@ -24,35 +24,9 @@ from typing import Any, Callable
 from dask_ddp.rank import preemption as _preemption
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import NotInRankError
+from dask_ddp.wire.events import INT_MAX, INT_MIN, RESERVED_KEYS, clip_line, safe_text
 
 __all__ = ["report", "RESERVED_KEYS", "safe_text", "clip_line"]
-
-#: Keys every event carries; a metric may not use them.
-RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
-
-# What Dask's wire (msgpack) can carry: ints in [INT_MIN, INT_MAX], str that encodes as UTF-8. Dask's
-# log_event checks neither; a value outside breaks the worker's batched stream and the scheduler drops the
-# worker. So nothing leaves a rank unchecked: numbers are refused at report(), text is escaped.
-INT_MIN, INT_MAX = -(2**63), 2**64 - 1
-MAX_LINE = 10_000  # characters of one output line or log record kept; longer ones are cut with a marker
-
-
-def safe_text(text: str) -> str:
-    """``text`` as valid UTF-8: lone surrogates (``os.listdir``'s non-UTF-8 names) become ``\\udcXX`` escapes."""
-    if text.isascii():
-        return text
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def clip_line(line: str) -> str:
-    """One output line or log record, escaped and cut to ``MAX_LINE`` characters with a marker."""
-    if len(line) > MAX_LINE:
-        line = line[:MAX_LINE] + f" ... [{len(line) - MAX_LINE} characters cut]"
-    return safe_text(line)
 
 _PLAIN = (bool, int, float)
 _BUFFER: "EventBuffer | None" = None  # set by the rank process

@@ -1,7 +1,7 @@
 """Per-host aggregation of event batches: one Dask event per host and interval instead of one per rank.
 
 Runs in: the Dask worker (its event loop: :class:`Hubs`, the ``dask_ddp_events`` handler; and the rank
-supervisor's :class:`~dask_ddp.client.events.Relay` thread: :func:`forward`).
+supervisor's :class:`~dask_ddp.worker.relay.Relay` thread: :func:`forward`).
 
 Each event batch costs the scheduler about the same CPU whatever its size
 (``benchmarks/RESULTS_events_scale.md``), so a job bounds its batch rate
@@ -12,7 +12,7 @@ Relay still flushes every ``flush-interval`` (1 s), but to its host's hub: the
 worker of the host's local rank 0, over a worker RPC. The hub publishes what
 all its host's ranks sent as one event, ``{"run", "batches": [batch, ...]}``
 (``batches``: the ranks' own batches, unchanged), every host interval; the
-client unpacks it (:func:`unpack`). With 8 ranks a host, 1,000 ranks are 125
+client unpacks it (:func:`dask_ddp.wire.events.unpack`). With 8 ranks a host, 1,000 ranks are 125
 hosts: every 3 s (a hub's event is weighted by what it costs, see
 :func:`dask_ddp.wire.task.hub_plan`).
 
@@ -31,34 +31,15 @@ import time
 
 from distributed.utils import sync
 
-__all__ = ["HANDLER", "Hubs", "chunked", "forward", "item_size", "unpack"]
+from dask_ddp.wire.events import batch_size, chunked
+
+__all__ = ["HANDLER", "Hubs", "forward"]
 
 logger = logging.getLogger("dask_ddp")
 
 HANDLER = "dask_ddp_events"  # the worker RPC a hub answers
 TICK = 0.1  # seconds between a hub's looks at what is due
 IDLE = 10.0  # seconds a hub with nothing to send lives on (its last ranks may still flush once more)
-
-
-def unpack(msg) -> list:
-    """The rank batches in one event of a job's topic: a hub's ``{"batches": [...]}``, or one rank's batch."""
-    if isinstance(msg, dict) and isinstance(msg.get("batches"), (list, tuple)):  # Dask's msgpack gives tuples
-        return list(msg["batches"])
-    return [msg]
-
-
-def chunked(things: list, size_of, limit: int):
-    """``things`` in order, in runs of at most ``limit`` bytes by ``size_of`` (a larger thing goes alone)."""
-    group, size = [], 0
-    for thing in things:
-        n = size_of(thing)
-        if group and size + n > limit:
-            yield group
-            group, size = [], 0
-        group.append(thing)
-        size += n
-    if group:
-        yield group
 
 
 class _Hub:
@@ -107,7 +88,7 @@ class Hubs:
     def _publish(self, hub: _Hub) -> None:
         hub.published = time.monotonic()
         batches, waiters, hub.pending, hub.waiters = hub.pending, hub.waiters, [], []
-        for group in chunked(batches, _size, self.max_bytes):  # at most max-batch-bytes an event, as a rank's own
+        for group in chunked(batches, batch_size, self.max_bytes):  # at most max-batch-bytes an event, as a rank's own
             self.worker.log_event(hub.topic, {"run": hub.run, "batches": group})
         for done in waiters:
             if not done.done():
@@ -129,15 +110,6 @@ class Hubs:
             if hub.pending:
                 self._publish(hub)
         self._hubs.clear()
-
-
-def item_size(item: dict) -> int:
-    """About how many bytes one event item takes (what ``ddp.events.max-batch-bytes`` bounds)."""
-    return 16 + sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in item.items())
-
-
-def _size(batch: dict) -> int:
-    return 32 + sum(item_size(item) for item in batch.get("items") or [])
 
 
 def forward(worker, via: str, topic: str, run: str, interval: float, msgs: list[dict], now: bool) -> None:

@@ -27,7 +27,6 @@ import cloudpickle
 from distributed import Event, Variable, get_worker
 from distributed.core import Status as WorkerStatus
 
-from dask_ddp.client.events import Relay, _drop_topic
 from dask_ddp.wire.errors import RankFailedError, RendezvousError
 from dask_ddp.wire.messages import (
     Events,
@@ -48,6 +47,7 @@ from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
 from dask_ddp.worker.process import RankProcess, stop_marked, worker_tmp_root
+from dask_ddp.worker.relay import Relay, drop_topic
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
 
@@ -437,7 +437,7 @@ async def _forget_on_scheduler(abort_event: str, port_variable: str, dask_schedu
     for name in (abort_event, port_variable + "-ready"):
         events.event_clear(name=name)  # a cleared Event nobody waits on is deleted
     await dask_scheduler.extensions["variables"].delete(name=port_variable)
-    _drop_topic(f"variable-{port_variable}", dask_scheduler=dask_scheduler)
+    drop_topic(f"variable-{port_variable}", dask_scheduler=dask_scheduler)
 
 
 def supervise(task: RankTask) -> RankOutcome:
