@@ -9,10 +9,12 @@ compared with an uninterrupted one of the same world size.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from _cluster import CliWorkers, leftover_processes, local_client, run, wait_until
@@ -20,6 +22,7 @@ from _cluster import CliWorkers, leftover_processes, local_client, run, wait_unt
 import dask_ddp
 from dask_ddp.client import elastic
 from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 
 
@@ -209,28 +212,44 @@ def test_an_adaptive_cluster_closes_idle_workers_not_the_ranks(tmp_path):
         assert leftover_processes(c) == []
 
 
-def _outcome(rank, status, **preempt):
-    return RankOutcome(rank, f"tcp://w{rank}", status, preempt=preempt or None)
+def _outcome(rank, status, stopped=None):
+    return RankOutcome(rank, f"tcp://w{rank}", status, preempt=stopped)
 
 
 def test_preemption_policy_from_outcomes():
     assert elastic.preemption([_outcome(0, Status.OK), _outcome(1, Status.OK)]) is None
-    saved = dict(step=7, saved=True, committed=True, cause="c", worker="tcp://w1", heard=1.0, save_took=0.1,
-                 commit_time=1.5)
-    p = elastic.preemption([_outcome(0, Status.PREEMPTED, **saved), _outcome(1, Status.LOST)])
-    assert p.saved and p["step"] == 7
+    notice = Notice(2.0, "c", "tcp://w1")
+    saved = Stopped(notice, step=7, saved=True, committed=True, heard=1.0, save_took=0.1, commit_time=1.5)
+    p = elastic.preemption([_outcome(0, Status.PREEMPTED, saved), _outcome(1, Status.LOST)])
+    assert p.safe and p.step == 7
     assert elastic.reason(p, 7, None, 25) == ("preempted: c; saved step 7 (the save took 0.10 s, notice to commit "
                                              "0.50 s); 0 steps lost")
-    unsaved = elastic.preemption([_outcome(0, Status.ERROR, cause="c", worker="tcp://w1", deadline=2.0),
-                                  _outcome(1, Status.ABORTED, cause="c", worker="tcp://w1", deadline=2.0)])
-    assert not unsaved.saved
+    unsaved = elastic.preemption([_outcome(0, Status.ERROR, Stopped(notice)), _outcome(1, Status.ABORTED,
+                                                                                      Stopped(notice))])
+    assert not unsaved.safe and unsaved.step is None
     text = elastic.reason(unsaved, 12, 9, 1.0)
     assert "did not stop at an agreed step within the 1 s grace period" in text
     assert "last periodic checkpoint (step 9); 3 steps lost" in text
     assert "restarts from the start; 13 steps lost" in elastic.reason(unsaved, 12, None, 1.0)
-    grew = elastic.preemption([_outcome(r, Status.PREEMPTED, **{**saved, "worker": "", "kind": "grow"})
-                               for r in (0, 1)])
+    grew = elastic.preemption([_outcome(r, Status.PREEMPTED, replace(saved, notice=Notice(2.0, "c", "", "grow"),
+                                                                     heard=1.0 + r)) for r in (0, 1)])
     assert elastic.reason(grew, 7, None, 25).startswith("grew: c; saved step 7")
+    assert grew.heard == 1.0  # the first rank to hear it
+
+
+def test_notices_cross_the_store_as_json_and_refuse_what_is_not_one():
+    notice = Notice(123.5, "worker tcp://10.0.0.1:1 leaves: retire_workers", "tcp://10.0.0.1:1", "leave")
+    assert Notice.from_json(notice.to_json()) == notice
+    for bad in ("", "{}", "[1]", '{"deadline": "soon", "cause": "x"}', '{"deadline": 1, "cause": "x", "kind": "x"}'):
+        with pytest.raises(ValueError):
+            Notice.from_json(bad)
+    with pytest.raises(ValueError, match="kind is one of"):
+        Notice(1.0, "x", kind="boom")
+    # frozen and pickled as values: what a supervisor sends and a rank's outcome carries
+    stopped = Stopped(notice, step=3, saved=True, committed=True, phases=(("posted", 0.1),))
+    assert pickle.loads(pickle.dumps(stopped)) == stopped
+    with pytest.raises(AttributeError):
+        stopped.step = 4
 
 
 @pytest.mark.parametrize("bounds, world, idle, more", [((2, 3), 2, 1, 1), ((2, 3), 3, 2, 0), ((1, None), 2, 3, 3),

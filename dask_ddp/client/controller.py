@@ -33,7 +33,6 @@ from dask_ddp.client.record import JobRecord, format_log
 from dask_ddp.client.stragglers import StragglerWatch
 from dask_ddp.dashboard import jobs as dashboard_jobs
 from dask_ddp.observe.progress import Progress
-from dask_ddp.rank import preemption
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.errors import (
     ClientClosedError,
@@ -41,6 +40,7 @@ from dask_ddp.wire.errors import (
     JobCancelledError,
     StallError,
 )
+from dask_ddp.wire.notices import Stopped, grace_period
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.wire.task import RankTask, rank_tasks
@@ -118,7 +118,7 @@ class Controller:
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
-        self.grace = preemption.grace_period()
+        self.grace = grace_period()
         bounds = planning.elastic_bounds(spec.workers)
         self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
         self._next_grow = 0.0
@@ -357,12 +357,12 @@ class Controller:
         else:
             self._end("FAILED", policy.root_error(decision, att.outcomes.values(), self.run_id), decision.reason)
 
-    def _after_preemption(self, pre: elastic.Preemption) -> policy.Decision:
+    def _after_preemption(self, pre: Stopped) -> policy.Decision:
         """Restart after a preemption or growth (not counted against max_restarts), saying what was saved."""
         self.preemptions += 1
-        if pre.get("kind", "leave") == "leave" and pre.get("worker"):
-            self.departed.add(pre["worker"])  # it is closing: the restart must not plan on it
-        fallback = None if pre.saved else elastic.last_checkpoint_step(self.spec.checkpoint_dir, self.run_id,
+        if pre.notice.kind == "leave" and pre.notice.worker:
+            self.departed.add(pre.notice.worker)  # it is closing: the restart must not plan on it
+        fallback = None if pre.safe else elastic.last_checkpoint_step(self.spec.checkpoint_dir, self.run_id,
                                                                         self.spec.checkpoint_options)
         return policy.Decision("restart", elastic.reason(pre, self.record.top_step, fallback, self.grace))
 

@@ -18,43 +18,35 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dask_ddp.wire.notices import Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 
-__all__ = ["Preemption", "preemption", "reason", "grow_by", "last_checkpoint_step"]
+__all__ = ["preemption", "reason", "grow_by", "last_checkpoint_step"]
 
 
-class Preemption(dict):
-    """What an attempt's outcomes say about a preemption: the notice (``cause``, ``worker``, ``deadline``) and,
-    when the ranks stopped at the agreed step, ``step``, ``saved``, ``committed``, ``heard``, ``save_took`` and
-    ``commit_time``."""
-
-    @property
-    def saved(self) -> bool:
-        return bool(self.get("saved") and self.get("committed"))
-
-
-def preemption(outcomes: Sequence[RankOutcome]) -> Preemption | None:
-    """The preemption an ended attempt went through, or None when no notice reached any of its ranks."""
-    stopped = [o.preempt for o in outcomes if o.status == Status.PREEMPTED and o.preempt]
+def preemption(outcomes: Sequence[RankOutcome]) -> Stopped | None:
+    """The preemption an ended attempt went through (its ranks' best record, heard when the first rank heard),
+    or None when no notice reached any of its ranks."""
+    stopped = [o.preempt for o in outcomes if o.status == Status.PREEMPTED and o.preempt is not None]
     if stopped:
-        best = max(stopped, key=lambda p: (bool(p.get("saved") and p.get("committed")), -p.get("heard", 0.0)))
-        return Preemption(best, heard=min(p.get("heard", best.get("heard", 0.0)) for p in stopped))
-    notes = [o.preempt for o in outcomes if o.preempt]
-    return Preemption(notes[0]) if notes else None
+        best = max(stopped, key=lambda p: (p.safe, -p.heard))
+        return best.heard_first(min(p.heard for p in stopped))
+    notes = [o.preempt for o in outcomes if o.preempt is not None]
+    return notes[0] if notes else None
 
 
-def reason(p: Preemption, top_step: int, fallback_step: int | None, grace: float) -> str:
+def reason(p: Stopped, top_step: int, fallback_step: int | None, grace: float) -> str:
     """The cause ``job.history`` keeps for a restart after preemption ``p``.
 
     ``top_step``: the highest step the ranks reported; ``fallback_step``: the newest complete checkpoint's step
     (None: there is none), what the job resumes from when the save did not fit.
     """
-    what = "grew" if p.get("kind") == "grow" else "preempted"
-    head = f"{what}: {p.get('cause', 'a notice')}"
-    if p.saved:
-        lost = max(0, top_step - p["step"])
-        took = p.get("commit_time", 0.0) - p.get("heard", 0.0)
-        return (f"{head}; saved step {p['step']} (the save took {p.get('save_took', 0.0):.2f} s, notice to commit "
+    what = "grew" if p.notice.kind == "grow" else "preempted"
+    head = f"{what}: {p.notice.cause or 'a notice'}"
+    if p.safe:
+        lost = max(0, top_step - p.step)
+        took = p.commit_time - p.heard
+        return (f"{head}; saved step {p.step} (the save took {p.save_took:.2f} s, notice to commit "
                 f"{took:.2f} s); {lost} steps lost")
     if fallback_step is None:
         lost = top_step + 1
@@ -62,8 +54,8 @@ def reason(p: Preemption, top_step: int, fallback_step: int | None, grace: float
     else:
         lost = max(0, top_step - fallback_step)
         where = f"resuming from the last periodic checkpoint (step {fallback_step})"
-    why = ("the ranks did not stop at an agreed step" if "step" not in p else
-           f"the save at step {p['step']} was not committed")
+    why = ("the ranks did not stop at an agreed step" if p.step is None else
+           f"the save at step {p.step} was not committed")
     return f"{head}; {why} within the {grace:g} s grace period (ddp.preemption.grace-period): {where}; {lost} steps lost"
 
 

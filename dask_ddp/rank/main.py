@@ -113,7 +113,7 @@ class _Channel:
                             self.flusher.flush()
                         self.send(Flushed())
                     elif isinstance(msg, Notice):  # a worker of the job leaves: tell every rank
-                        preemption.announce(msg.deadline, msg.cause, msg.worker, msg.kind)
+                        preemption.announce(msg)
             except (EOFError, OSError):
                 _die()
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()

@@ -25,7 +25,6 @@ until every rank has stopped (the save is committed) and tells its supervisor
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -33,7 +32,9 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["Preempted", "preempted", "on_preemption"]
+from dask_ddp.wire.notices import Notice, Stopped, grace_period
+
+__all__ = ["Preempted", "preempted", "on_preemption", "grace_period"]
 
 KEY = "dask_ddp/pre/"
 _FOREVER = timedelta(days=7)  # a watcher's wait: a timed-out wait logs warnings, so wait long
@@ -65,7 +66,7 @@ class _Rank:
 
     def __init__(self, store, rank: int, world_size: int, send: Callable, grace: float):
         self.store, self.rank, self.world_size, self.send, self.grace = store, rank, world_size, send, grace
-        self.notice: dict | None = None
+        self.notice: Notice | None = None
         self.heard = 0.0  # time.time() the notice reached this rank
         self.posted = False
         self.stop_after: int | None = None  # M: stop at the first report with a step above it
@@ -77,19 +78,11 @@ class _Rank:
 
 
 _RANK: _Rank | None = None
-_PENDING: dict | None = None  # the notice, once one reached this rank: report()'s one check
+_PENDING: Notice | None = None  # the notice, once one reached this rank: report()'s one check
 _SAVE: tuple[Callable[[], dict], dict] | None = None
-_EARLY: dict | None = None  # a notice that came before start()
+_EARLY: Notice | None = None  # a notice that came before start()
 _POLLED = False  # the code called preempted(): it saves by itself
 _WATCHER: threading.Thread | None = None  # this rank's watcher of the notice key
-
-
-def grace_period() -> float:
-    """``ddp.preemption.grace-period`` (seconds), as this process's config says: how long a leaving worker waits
-    for its ranks' save, and what a rank process that receives SIGTERM gives the job."""
-    import dask
-
-    return float(dask.config.get("ddp.preemption.grace-period", 25))
 
 
 def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
@@ -142,15 +135,15 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        announce(time.time() + grace, f"rank {rank}'s process on worker {worker} received SIGTERM", worker,
-                 "signal", thread=True)
+        announce(Notice(time.time() + grace, f"rank {rank}'s process on worker {worker} received SIGTERM", worker,
+                        "signal"), thread=True)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     global _WATCHER
     _WATCHER = threading.Thread(target=_watch, args=(master_addr, port), name="dask-ddp-notice", daemon=True)
     _WATCHER.start()
     if _EARLY is not None:
-        announce(_EARLY["deadline"], _EARLY["cause"], _EARLY["worker"], _EARLY["kind"])
+        announce(_EARLY)
 
 
 def _watch(master_addr: str, port: int) -> None:
@@ -163,7 +156,7 @@ def _watch(master_addr: str, port: int) -> None:
         if value == END:
             own.add(KEY + "released", 1)
             return
-        _heard(json.loads(value))
+        _heard(Notice.from_json(value))
     except Exception:  # noqa: BLE001 - the store closed: the job ended
         return
 
@@ -187,24 +180,23 @@ def release(store, rank: int, world_size: int, wait: float = 2.0) -> None:
         return
 
 
-def announce(deadline: float, cause: str, worker: str, kind: str = "leave", thread: bool = False) -> None:
+def announce(note: Notice, thread: bool = False) -> None:
     """A notice reached this rank: note it and publish it to every rank (through the store)."""
-    note = {"deadline": deadline, "cause": cause, "worker": worker, "kind": kind}
     if thread:  # from a signal handler: no store I/O there
-        threading.Thread(target=announce, args=(deadline, cause, worker, kind), daemon=True).start()
+        threading.Thread(target=announce, args=(note,), daemon=True).start()
         return
     global _EARLY
     if _RANK is None:  # before the process group exists: kept for start()
         _EARLY = note
         return
     try:
-        _RANK.store.compare_set(KEY + "notice", "", json.dumps(note))  # the first notice wins
+        _RANK.store.compare_set(KEY + "notice", "", note.to_json())  # the first notice wins
     except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
         pass
     _heard(note)
 
 
-def _heard(note: dict) -> None:
+def _heard(note: Notice) -> None:
     global _PENDING
     st = _RANK
     with st.lock:
@@ -215,8 +207,7 @@ def _heard(note: dict) -> None:
     try:
         from dask_ddp.wire.messages import NoticeSeen
 
-        st.send(NoticeSeen(note["deadline"], note["cause"], note.get("worker", ""), can_save(),
-                           note.get("kind", "leave")))
+        st.send(NoticeSeen(note, can_save()))
     except Exception:  # noqa: BLE001 - the socket closed: the rank is being stopped
         pass
 
@@ -246,34 +237,32 @@ def _stop_at(st: _Rank, step: int) -> None:
     from dask_ddp.data.checkpoint import save_checkpoint
 
     note = st.notice
-    st.due = Preempted(step, note["cause"], note["deadline"])
+    st.due = Preempted(step, note.cause, note.deadline)
     st.due.started = time.time()
     if _SAVE is None:
         return  # preempted() tells the code; the next report() raises
     fn, kw = _SAVE
     state = fn()
-    if time.time() < note["deadline"]:  # past it, the leaving rank is gone: a save now could never be committed
+    if time.time() < note.deadline:  # past it, the leaving rank is gone: a save now could never be committed
         save_checkpoint(state, step=step, **kw)
         st.due.saved = True
     st.raised_by_us = True
     raise st.due
 
 
-def stopped(exc: Preempted) -> dict:
+def stopped(exc: Preempted) -> Stopped:
     """After the function raised ``exc``: wait until every rank has stopped (the save is committed) and
     return what the supervisor is told. Raises nothing."""
     st = _RANK
     done = time.time()
     committed = _barrier(st, exc.deadline) if st is not None else False
-    times = {k: round(v - st.heard, 4) for k, v in st.times.items()} if st is not None else {}
-    note = (st.notice if st is not None else None) or {}
+    phases = tuple((k, round(v - st.heard, 4)) for k, v in st.times.items()) if st is not None else ()
+    note = (st.notice if st is not None else None) or Notice(exc.deadline, exc.cause)
     started = getattr(exc, "started", done)
     saved = exc.saved or (st is not None and not st.forced)  # raised by the code itself: it saved first
-    return {"step": exc.step, "saved": bool(saved),
-            "committed": committed, "cause": exc.cause, "worker": note.get("worker", ""),
-            "kind": note.get("kind", "leave"),
-            "deadline": exc.deadline, "heard": st.heard if st is not None else done,
-            "save_took": done - started, "commit_time": time.time(), "phases": times}
+    return Stopped(note, step=exc.step, saved=bool(saved), committed=committed,
+                   heard=st.heard if st is not None else done, save_took=done - started, commit_time=time.time(),
+                   phases=phases)
 
 
 def _barrier(st: _Rank, deadline: float) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.task import RankTask
 
 __all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "StacksRequest",
@@ -101,30 +102,14 @@ class Flushed:
 
 
 @dataclass(frozen=True)
-class Notice:
-    """Save and stop by ``deadline`` (``time.time()``): a worker of the job leaves, or the job grows.
-
-    ``worker``: the address of the worker that leaves; ``kind``: ``leave`` (a worker leaves), ``grow`` (workers
-    joined an elastic job) or ``signal`` (a rank process received SIGTERM)."""
-
-    deadline: float
-    cause: str
-    worker: str = ""
-    kind: str = "leave"
-
-
-@dataclass(frozen=True)
 class NoticeSeen:
     """The rank learned of a preemption notice (from its supervisor, a peer, or a SIGTERM of its own).
 
     ``can_save``: its code registered a save (``on_preemption``) or polls ``preempted()``; if not, it cannot
     stop at an agreed step and its worker need not wait for it."""
 
-    deadline: float
-    cause: str
-    worker: str = ""
+    notice: Notice
     can_save: bool = True
-    kind: str = "leave"
 
 
 @dataclass(frozen=True)
@@ -132,4 +117,4 @@ class Saved:
     """The rank stopped at the step every rank agreed on (``saved``: its state was saved there) and every
     rank passed the commit barrier; see :mod:`dask_ddp.rank.preemption`."""
 
-    info: dict
+    stopped: Stopped

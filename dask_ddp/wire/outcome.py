@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from dask_ddp.wire.notices import Stopped
+
 __all__ = ["Status", "RankOutcome"]
 
 
@@ -43,9 +45,9 @@ class RankOutcome:
     last_seq : the sequence number of the last event batch the rank published (-1: none).
     started : when the supervisor started (``time.time()``).
     secondary : the error is a broken collective seen by a survivor, a consequence of another rank's failure.
-    preempt : set when a preemption notice had reached the rank (see :mod:`dask_ddp.rank.preemption`): the
-        notice's ``cause``, ``worker`` and ``deadline``; with PREEMPTED also ``step``, ``saved``, ``committed``,
-        ``heard`` (when the notice came), ``save_took`` and ``commit_time``.
+    preempt : a :class:`~dask_ddp.wire.notices.Stopped`, set when a preemption notice had reached the rank
+        (see :mod:`dask_ddp.rank.preemption`); with PREEMPTED it also says at which step the ranks stopped,
+        whether the save was committed, and how long it took.
     """
 
     rank: int
@@ -58,7 +60,7 @@ class RankOutcome:
     last_seq: int = -1
     started: float = 0.0
     secondary: bool = False
-    preempt: dict | None = None
+    preempt: Stopped | None = None
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)

@@ -26,7 +26,7 @@ from distributed.core import Status, rpc
 from distributed.diagnostics.plugin import NannyPlugin
 from distributed.protocol import pickle
 
-from dask_ddp.rank.preemption import grace_period
+from dask_ddp.wire.notices import Notice, grace_period
 
 __all__ = ["drain", "LeaveGracefully", "register", "notify", "grace_period"]
 
@@ -48,7 +48,7 @@ async def drain(host, cause: str, grace: float | None = None) -> int:
     deadline = time.time() + grace
     address = getattr(host.worker, "address", "")
     for sup in sups:
-        sup.notice(deadline, cause, address)
+        sup.notice(Notice(deadline, cause, address))
     logger.info("dask-ddp: %s; %d rank(s) here save before it goes (up to %.0f s)", cause, len(sups), grace)
     while any(s in host.running() and s.saving for s in sups) and time.time() < deadline:
         await asyncio.sleep(0.02)
@@ -106,7 +106,7 @@ async def _notice_here(attempt_id: str, deadline: float, cause: str, dask_worker
     host = dask_worker.plugins.get(RANK_HOST)
     sups = host.running(attempt_id) if host is not None else []
     for sup in sups:
-        sup.notice(deadline, cause, "", "grow")
+        sup.notice(Notice(deadline, cause, "", "grow"))
     return len(sups)
 
 

@@ -43,6 +43,7 @@ from dask_ddp.wire.messages import (
     StacksRequest,
     Start,
 )
+from dask_ddp.wire.notices import Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
@@ -88,7 +89,7 @@ class Supervisor:
         self._pumps: list[threading.Thread] = []  # the threads relaying the rank's stdout and stderr
         self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
-        self._notice: dict | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
+        self._notice: Notice | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
         self._started = False  # the child has its Start: a Notice may follow
         self.declined = False  # the rank cannot save for a preemption (see NoticeSeen.can_save)
 
@@ -148,9 +149,10 @@ class Supervisor:
         if self.child is not None:
             self.child.kill()
 
-    def notice(self, deadline: float, cause: str, worker: str = "", kind: str = "leave") -> None:
-        """Tell the rank that the job must save and stop by ``deadline`` (its worker leaves, or the job grows)."""
-        self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker, "kind": kind}
+    def notice(self, notice: Notice) -> None:
+        """Tell the rank that the job must save and stop by ``notice.deadline`` (its worker leaves, or the job
+        grows); the first notice holds."""
+        self._notice = self._notice or notice
         if self._started:
             self._send_notice()
 
@@ -160,9 +162,8 @@ class Supervisor:
         return self._started and not self.declined and self.child is not None and self.child.alive()
 
     def _send_notice(self) -> None:
-        n = self._notice
         try:
-            self.child.send(Notice(n["deadline"], n["cause"], n["worker"], n["kind"]))
+            self.child.send(self._notice)
         except OSError:  # the rank has ended
             pass
 
@@ -228,10 +229,10 @@ class Supervisor:
                 if isinstance(msg, Result):
                     result = RankOutcome(self.rank, self.address, Status.OK, value=msg.value)
                 elif isinstance(msg, Saved):  # stopped at the agreed step; every rank passed the barrier
-                    result = RankOutcome(self.rank, self.address, Status.PREEMPTED, preempt=msg.info)
+                    result = RankOutcome(self.rank, self.address, Status.PREEMPTED, preempt=msg.stopped)
                 elif isinstance(msg, Failed):
                     result = RankOutcome(self.rank, self.address, Status.ERROR, error=msg.error, time=msg.time,
-                                         secondary=msg.secondary, preempt=self._notice)
+                                         secondary=msg.secondary, preempt=self._preempt())
                     self._set_abort()  # stop the others now, not when the client notices
                 else:
                     self._handle(msg)
@@ -274,12 +275,11 @@ class Supervisor:
             case Port(port):
                 Variable(self.task.port_variable).set(int(port))
                 Event(self.task.port_variable + "-ready").set()
-            case NoticeSeen(deadline, cause, worker, can_save, kind):
+            case NoticeSeen(notice, can_save):
                 if not can_save:  # its code neither registered a save nor polls: nothing to wait for
                     self._notice, self.declined = None, True
                 else:
-                    self._notice = self._notice or {"deadline": deadline, "cause": cause, "worker": worker,
-                                                    "kind": kind}
+                    self._notice = self._notice or notice
             case Stacks(text):
                 self._stacks.append(text)
                 self._stacks_ready.set()
@@ -352,7 +352,7 @@ class Supervisor:
     def _aborted(self) -> bool:
         if self._stop_reason is not None:
             return True
-        if self._notice is not None and time.time() < self._notice["deadline"] + 1:
+        if self._notice is not None and time.time() < self._notice.deadline + 1:
             return False  # the ranks save for a preemption: the job's abort (its worker left) waits for them
         now = time.monotonic()
         if now - self._last_abort_check < self.task.poll_interval:
@@ -396,7 +396,11 @@ class Supervisor:
     def _fail(self, status: Status, message: str, exc: type = RankFailedError) -> RankOutcome:
         err = exc(message, rank=self.rank, worker=self.address)
         return RankOutcome(self.rank, self.address, status, error=cloudpickle.dumps(err), message=message,
-                           preempt=self._notice)
+                           preempt=self._preempt())
+
+    def _preempt(self) -> Stopped | None:
+        """What a notice did to this rank when it ended otherwise than at the agreed step."""
+        return None if self._notice is None else Stopped(self._notice)
 
     def stacks(self, timeout: float) -> str:
         """The child's Python stack dump, or a line saying why there is none."""
