@@ -21,7 +21,7 @@ one telemetry item and 2 log lines, about 1.5 KiB). For each N:
    scheduler CPU over idle, divided by the batches the client received, is
    the scheduler's CPU per batch (``c``); the client's CPU per batch too.
 
-The rule (dask_ddp.wire.task.flush_interval_for): a job sends at most
+The rule (dask_ddp.client.launch.flush_interval_for): a job sends at most
 ``max-batches-per-second`` (``B``, 60) batches a second in all. Up to ``B``
 ranks every rank flushes every ``flush-interval`` (1 s); past that rank 0
 keeps that interval (the notebook's live view) and the others flush every
@@ -154,10 +154,10 @@ def measure(client, scheduler: psutil.Process, address: str, n: int, seconds: fl
 
 
 def _hub_interval(hosts: int, per_host: int, flush: float, budget: float) -> float:
-    """What dask-ddp's rule (task.hub_plan) gives the hubs other than rank 0's: a synthetic plan of that shape."""
+    """What dask-ddp's rule (launch.hub_plan) gives the hubs other than rank 0's: a synthetic plan of that shape."""
     from _cluster import synthetic_plan
 
-    from dask_ddp.wire.task import hub_plan
+    from dask_ddp.client.launch import hub_plan
 
     plan = synthetic_plan(hosts, per_host)
     return hub_plan(plan, flush, budget, per_host=True)[plan.world_size - 1][1]
@@ -173,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     from distributed import Client
 
-    from dask_ddp.wire.task import HUB_COST_PER_RANK, flush_interval_for
+    from dask_ddp.client.launch import HUB_COST_PER_RANK, flush_interval_for
 
     port = 40000 + os.getpid() % 20000
     sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
@@ -239,7 +239,7 @@ def main() -> None:
               "",
               f"With hubs (`ddp.events.per-host: auto`, the default past the bound when a host runs several ranks) "
               f"the same rule counts hosts, each hub event weighted by its extra cost "
-              f"(`task.HUB_COST_PER_RANK` = {HUB_COST_PER_RANK} a rank past the first; measured here: "
+              f"(`launch.HUB_COST_PER_RANK` = {HUB_COST_PER_RANK} a rank past the first; measured here: "
               f"{(hub['per_batch_ms'] / per_batch - 1) / (args.ranks_per_host - 1):.3f}): 1,000 ranks on {hosts} "
               f"hosts of {args.ranks_per_host} publish every "
               f"{hub_interval:.1f} s (the host of rank 0 every 1 s). Measured directly in the last row, {hosts} "

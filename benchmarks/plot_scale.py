@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
     import yaml
 
-    from dask_ddp.wire.task import HUB_COST_PER_RANK
+    from dask_ddp.client.launch import HUB_COST_PER_RANK
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(HERE / "scale.png"))
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ruled = [100 * per_batch * n / max(interval, n / cap) for n in world]
     naive = [100 * per_batch * n / interval for n in world]
     right.plot(world, ruled, marker="o", label=f"dask-ddp: at most {cap:g} batches/s a job")
-    weight = 1 + HUB_COST_PER_RANK * 7  # hubs of 8 ranks: one event a host, weighted (task.hub_plan)
+    weight = 1 + HUB_COST_PER_RANK * 7  # hubs of 8 ranks: one event a host, weighted (launch.hub_plan)
     hubbed = [100 * per_batch * weight * -(-n // 8) / max(interval, -(-n // 8) * weight / cap) for n in world]
     right.plot(world, hubbed, marker=".", linestyle=":", label="dask-ddp with hubs, 8 ranks a host")
     right.plot(world, naive, linestyle="--", label=f"one batch per rank every {interval:g} s")

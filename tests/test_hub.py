@@ -11,8 +11,9 @@ from _cluster import local_client, run, synthetic_plan, wait_until
 from distributed import Client
 
 import dask_ddp
+from dask_ddp.client.launch import HUB_COST_PER_RANK, flush_interval_for, hub_plan
 from dask_ddp.wire.events import chunked, unpack
-from dask_ddp.wire.task import HUB_COST_PER_RANK, flush_interval_for, hub_plan, topic_of
+from dask_ddp.wire.task import topic_of
 
 
 def hub_of(plan, rank: int) -> str:

@@ -31,8 +31,8 @@ from _cluster import leftover_processes, wait_until  # noqa: E402
 import dask_ddp  # noqa: E402
 from dask_ddp import dispatch  # noqa: E402
 from dask_ddp.client.events import EventOrder, TopicFeed
+from dask_ddp.client.launch import flush_interval_for  # noqa: E402
 from dask_ddp.observe.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics  # noqa: E402
-from dask_ddp.wire.task import flush_interval_for  # noqa: E402
 
 N_REPORTS = 10_000
 

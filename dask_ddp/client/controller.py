@@ -28,6 +28,7 @@ import dask
 
 from dask_ddp.client import elastic, policy
 from dask_ddp.client.events import EventOrder
+from dask_ddp.client.launch import rank_tasks
 from dask_ddp.client.liveness import SilenceWatch
 from dask_ddp.client.record import JobRecord, format_log
 from dask_ddp.client.stragglers import StragglerWatch
@@ -43,7 +44,7 @@ from dask_ddp.wire.errors import (
 from dask_ddp.wire.notices import Stopped, grace_period
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.spec import LaunchSpec
-from dask_ddp.wire.task import RankTask, rank_tasks
+from dask_ddp.wire.task import RankTask
 
 __all__ = ["Controller", "Attempt", "Callbacks"]
 

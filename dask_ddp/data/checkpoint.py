@@ -38,11 +38,21 @@ import uuid
 from typing import NamedTuple
 
 from dask_ddp.data import storage
-from dask_ddp.rank import context as _context
 from dask_ddp.wire.errors import DaskDDPError, NotInRankError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "rng_state", "set_rng_state", "Checkpoint", "CheckpointError"]
+
+_JOB = None  # the rank's Context in a rank process (set by dask_ddp.rank.context): its job's folder, rank, world
+
+
+def _set_job(ctx) -> None:
+    """The job this process is a rank of (its ``Context``: ``rank``, ``world_size``, ``run_id``,
+    ``checkpoint_dir``, ``checkpoint_options``), or None; the rank wing calls it, as the data wing imports no
+    rank code."""
+    global _JOB
+    _JOB = ctx
+
 
 # groups: step, rank, world size, kind, and a ".PID-RANDOM.tmp" suffix that (with a leading
 # dot) marks a local temporary file
@@ -88,7 +98,7 @@ def _name(step: int, rank: int | None, world_size: int | None, kind: str) -> str
 
 
 def _where(directory, storage_options) -> _Where:
-    ctx = _context._CONTEXT
+    ctx = _JOB
     if directory is None:
         if ctx is None:
             raise NotInRankError("no checkpoint directory: pass directory=... (any fsspec URL), or call "

@@ -1,7 +1,7 @@
 """The frozen launch spec of a job: everything ``run()`` validated, nothing live.
 
 Runs in: the client. :func:`dask_ddp.dispatch.run` builds it once; the
-controller reads it for every attempt; :func:`dask_ddp.wire.task.rank_tasks` turns
+controller reads it for every attempt; :func:`dask_ddp.client.launch.rank_tasks` turns
 it into the per-rank tasks.
 """
 
@@ -32,8 +32,8 @@ class LaunchSpec:
     spawn_timeout: float = 120
     poll_interval: float = 0.25
     flush_interval: float = 1.0
-    max_batches_per_second: float | None = 60  # the job's event batches, all ranks (task.flush_interval_for)
-    events_per_host: bool | str = "auto"  # publish through a hub per host (task.hub_plan, ddp.events.per-host)
+    max_batches_per_second: float | None = 60  # the job's event batches, all ranks (client.launch.flush_interval_for)
+    events_per_host: bool | str = "auto"  # publish through a hub per host (client.launch.hub_plan, ddp.events.per-host)
     telemetry_interval: float | None = 1.0  # None: no telemetry (ddp.telemetry.enabled: false)
     straggler_window: float | None = 30.0  # seconds one rank must be the cause before it is named; None: off
     stall_timeout: float | None = None

@@ -7,14 +7,14 @@ Each event batch costs the scheduler about the same CPU whatever its size
 (``benchmarks/RESULTS_events_scale.md``), so a job bounds its batch rate
 (``ddp.events.max-batches-per-second``); at 1,000 ranks one batch per rank
 would leave each rank one batch every 17 s. When a job aggregates
-(``ddp.events.per-host``, see :func:`dask_ddp.wire.task.hub_plan`), each rank's
+(``ddp.events.per-host``, see :func:`dask_ddp.client.launch.hub_plan`), each rank's
 Relay still flushes every ``flush-interval`` (1 s), but to its host's hub: the
 worker of the host's local rank 0, over a worker RPC. The hub publishes what
 all its host's ranks sent as one event, ``{"run", "batches": [batch, ...]}``
 (``batches``: the ranks' own batches, unchanged), every host interval; the
 client unpacks it (:func:`dask_ddp.wire.events.unpack`). With 8 ranks a host, 1,000 ranks are 125
 hosts: every 3 s (a hub's event is weighted by what it costs, see
-:func:`dask_ddp.wire.task.hub_plan`).
+:func:`dask_ddp.client.launch.hub_plan`).
 
 Nothing is lost to a hub: the RPC answers once the hub has published the
 batches (handed them to its worker's stream to the scheduler). A hub whose
