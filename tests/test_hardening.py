@@ -557,8 +557,8 @@ def test_helpers_in_their_own_session_and_temp_files_do_not_outlive_the_rank(cli
     wait_until(lambda: not [pid for pid in strays if psutil.pid_exists(pid)], 10, what="every helper stopped")
     assert not leftover_processes(client)
     mine = f"{job.run_id[-8:]}-"
-    left = client.run(lambda: [n for n in os.listdir(__import__("dask_ddp.worker.process").worker.process.worker_tmp_root())
-                               if n.startswith(mine)])
+    tmp_root = __import__("dask_ddp.worker.process").worker.process.worker_tmp_root
+    left = client.run(lambda: [n for n in os.listdir(tmp_root()) if n.startswith(mine)])
     assert not any(left.values()), f"rank temp folders left: {left}"
 
 
