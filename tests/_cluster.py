@@ -88,6 +88,45 @@ def no_running_ranks(client) -> bool:
     return all(not got["running"] for got in rank_process_pids(client).values())
 
 
+_ENDED = ("FINISHED", "FAILED", "CANCELLED")
+
+
+@contextlib.contextmanager
+def detached(client, name: str, timeout: float = 60.0) -> Iterator[str]:
+    """Around a test's code that starts the detached job ``name`` (``run(..., name=name, detach=True)``, in this
+    process or a notebook's subprocess): on the way out, whatever happened, the job is cancelled and its ranks
+    are gone, so that a failing test never leaves ranks that starve the module's next tests."""
+    try:
+        yield name
+    except BaseException:
+        with contextlib.suppress(Exception):  # the test's own failure is the one to report
+            cancel_detached(client, name, timeout)
+        raise
+    cancel_detached(client, name, timeout)
+
+
+def cancel_detached(client, name: str, timeout: float = 60.0) -> None:
+    """Cancel every detached job of that name or run id that has not ended, and wait until none runs a rank.
+
+    A job still starting in the scheduler (known, but without its driver's job yet) is cancelled as soon as it
+    has one. Raises AssertionError if a job or a rank is still there after ``timeout`` seconds.
+    """
+    from dask_ddp.client import detach
+
+    deadline, cancelled = time.monotonic() + timeout, set()
+    while True:
+        live = [f["run_id"] for f in client.run_on_scheduler(detach._find, name) if f["state"] not in _ENDED]
+        for run_id in set(live) - cancelled:
+            if client.run_on_scheduler(detach._cancel, run_id):  # False while its driver is still starting
+                cancelled.add(run_id)
+        if not live and no_running_ranks(client):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"detached job {name!r} still runs {timeout} s after it was cancelled: "
+                                 f"{live or rank_process_pids(client)}")
+        time.sleep(0.2)
+
+
 def train_with_checkpoints(epochs, step_time):
     """DDP training that saves a checkpoint every epoch and resumes from the latest one: 5 steps an epoch,
     ``step_time`` s each; returns (world size, restart count, first epoch run, the parameters)."""

@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from _cluster import leftover_processes, rank_process_pids, run, wait_until
+from _cluster import detached, leftover_processes, rank_process_pids, run, wait_until
 
 import dask_ddp
 from dask_ddp.client.cluster import scheduler_workers
@@ -219,58 +219,75 @@ def _start_detached(client, name: str, steps: int) -> str:
 
 @pytest.mark.slow
 def test_a_detached_job_outlives_its_client_and_a_new_client_attaches_and_cancels_it(client):
-    run_id = _start_detached(client, "detached-long", 100_000)
-    with pytest.raises(dask_ddp.DetachedJobNotFound, match="no detached jobs named 'nope'"):
-        dask_ddp.attach(client, "nope")
-    job = dask_ddp.attach(client, "detached-long", progress=False)  # by name, from another client
-    assert job.run_id == run_id
-    wait_until(lambda: job.state == "RUNNING" and len(job.metrics) > 20, 30, what="live metrics")
-    seen = job.metrics["i"].max()
-    time.sleep(2)  # the kernel has been dead for seconds: the ranks train on, their reports still arrive
-    assert job.metrics["i"].max() > seen and len(running_ranks(client)) == 2
-    assert any("RUNNING" == new for _, _, new, _ in job.history)
-    t0 = time.monotonic()
-    job.cancel()
-    with pytest.raises(dask_ddp.JobCancelledError):
-        job.result(timeout=60)
-    wait_until(lambda: not running_ranks(client), 30, what="every rank stopped")
-    print(f"detached: cancelled from an attached client, ranks stopped {time.monotonic() - t0:.2f} s later")
-    assert job.state == "CANCELLED" and leftover_processes(client) == []
+    with detached(client, "detached-long"):  # cancelled whatever happens: no ranks left for the next tests
+        run_id = _start_detached(client, "detached-long", 100_000)
+        with pytest.raises(dask_ddp.DetachedJobNotFound, match="no detached jobs named 'nope'"):
+            dask_ddp.attach(client, "nope")
+        job = dask_ddp.attach(client, "detached-long", progress=False)  # by name, from another client
+        assert job.run_id == run_id
+        wait_until(lambda: job.state == "RUNNING" and len(job.metrics) > 20, 30, what="live metrics")
+        seen = job.metrics["i"].max()
+        time.sleep(2)  # the kernel has been dead for seconds: the ranks train on, their reports still arrive
+        assert job.metrics["i"].max() > seen and len(running_ranks(client)) == 2
+        assert any("RUNNING" == new for _, _, new, _ in job.history)
+        t0 = time.monotonic()
+        job.cancel()
+        with pytest.raises(dask_ddp.JobCancelledError):
+            job.result(timeout=60)
+        wait_until(lambda: not running_ranks(client), 30, what="every rank stopped")
+        print(f"detached: cancelled from an attached client, ranks stopped {time.monotonic() - t0:.2f} s later")
+        assert job.state == "CANCELLED" and leftover_processes(client) == []
 
 
 @pytest.mark.slow
 def test_a_detached_job_that_ended_alone_gives_its_result_to_a_later_attach(client):
-    run_id = _start_detached(client, "detached-short", 40)
-    late = dask_ddp.attach(client, run_id, progress=False)  # by run id
-    assert late.result(timeout=120) == [0, 1]
-    assert late.state == "FINISHED" and sorted(late.metrics["i"].unique()) == [float(i) for i in range(40)]
-    again = dask_ddp.attach(client, "detached-short", progress=False)  # and again, by name, after its end
-    assert again.result(timeout=30) == [0, 1] and len(again.metrics) == 80
+    with detached(client, "detached-short"):  # cancelled whatever happens: no ranks left for the next tests
+        run_id = _start_detached(client, "detached-short", 40)
+        late = dask_ddp.attach(client, run_id, progress=False)  # by run id
+        assert late.result(timeout=120) == [0, 1]
+        assert late.state == "FINISHED" and sorted(late.metrics["i"].unique()) == [float(i) for i in range(40)]
+        again = dask_ddp.attach(client, "detached-short", progress=False)  # and again, by name, after its end
+        assert again.result(timeout=30) == [0, 1] and len(again.metrics) == 80
 
 
 @pytest.mark.slow
 def test_interrupting_the_wait_for_a_detached_job_leaves_it_running(client):
-    proc = subprocess.Popen([sys.executable, "-c", WHEN_WAITING + DETACHED_NOTEBOOK, client.scheduler.address,
-                             "detached-interrupted", "100000", "wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        line = _line_starting(proc, "running") or []
-        if line[:1] == ["running"]:
-            proc.send_signal(signal.SIGINT)  # the notebook's interrupt, while result() waits
-        said = _line_starting(proc, "interrupted")
-        proc.wait(60)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert line[:1] == ["running"] and said, proc.stderr.read()[-3000:]
-    run_id = line[1]
-    assert f"detached job {run_id} keeps running" in " ".join(said)
-    job = dask_ddp.attach(client, run_id, progress=False)
-    wait_until(lambda: job.state == "RUNNING" and len(job.metrics) > 0, 30, what="live metrics")
-    seen = job.metrics["i"].max()
-    wait_until(lambda: job.metrics["i"].max() > seen, 30, what="the ranks training on after the interrupt")
-    job.cancel()
-    wait_until(lambda: not running_ranks(client), 30, what="every rank stopped")
+    with detached(client, "detached-interrupted"):  # cancelled whatever happens: no ranks left for the next tests
+        proc = subprocess.Popen([sys.executable, "-c", WHEN_WAITING + DETACHED_NOTEBOOK, client.scheduler.address,
+                                 "detached-interrupted", "100000", "wait"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            line = _line_starting(proc, "running") or []
+            if line[:1] == ["running"]:
+                proc.send_signal(signal.SIGINT)  # the notebook's interrupt, while result() waits
+            said = _line_starting(proc, "interrupted")
+            proc.wait(60)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert line[:1] == ["running"] and said, proc.stderr.read()[-3000:]
+        run_id = line[1]
+        assert f"detached job {run_id} keeps running" in " ".join(said)
+        job = dask_ddp.attach(client, run_id, progress=False)
+        wait_until(lambda: job.state == "RUNNING" and len(job.metrics) > 0, 30, what="live metrics")
+        seen = job.metrics["i"].max()
+        wait_until(lambda: job.metrics["i"].max() > seen, 30, what="the ranks training on after the interrupt")
+        job.cancel()
+        wait_until(lambda: not running_ranks(client), 30, what="every rank stopped")
+
+
+@pytest.mark.slow
+def test_a_test_that_fails_while_its_detached_job_runs_leaves_no_rank_behind(client):
+    """What ``detached`` is for: before it, a failing detach test left its ranks training, and every later test
+    of the module waited for workers that never came free (each until its 300 s timeout)."""
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with detached(client, "detached-failing"):
+            _start_detached(client, "detached-failing", 100_000)
+            assert len(running_ranks(client)) == 2
+            raise RuntimeError("the test failed while its detached job ran")
+    assert running_ranks(client) == [] and leftover_processes(client) == []
+    with pytest.raises(dask_ddp.JobCancelledError):
+        dask_ddp.attach(client, "detached-failing", progress=False).result(timeout=30)
 
 
 def test_a_detached_job_takes_no_callbacks(client):
@@ -540,8 +557,8 @@ def test_helpers_in_their_own_session_and_temp_files_do_not_outlive_the_rank(cli
     wait_until(lambda: not [pid for pid in strays if psutil.pid_exists(pid)], 10, what="every helper stopped")
     assert not leftover_processes(client)
     mine = f"{job.run_id[-8:]}-"
-    left = client.run(lambda: [n for n in os.listdir(__import__("dask_ddp.worker.process").worker.process.worker_tmp_root())
-                               if n.startswith(mine)])
+    tmp_root = __import__("dask_ddp.worker.process").worker.process.worker_tmp_root
+    left = client.run(lambda: [n for n in os.listdir(tmp_root()) if n.startswith(mine)])
     assert not any(left.values()), f"rank temp folders left: {left}"
 
 

@@ -35,10 +35,10 @@ The script is read here and shipped as text: the workers need not share a
 filesystem with this machine (but modules it imports must be installed there).
 Every line a rank prints is echoed as "[rank N] ...".
 
-GPUs: the local cluster's workers see every GPU, so cuda:LOCAL_RANK is each
-rank's own GPU, as under torchrun. On dask-cuda workers (--scheduler of a
-LocalCUDACluster or dask-cuda-worker) CUDA_VISIBLE_DEVICES is rotated per
-worker and a rank's own GPU is cuda:0 instead.
+GPUs: cuda:LOCAL_RANK is each rank's own GPU, as under torchrun: the local
+cluster's workers see every GPU, and on dask-cuda workers (--scheduler of a
+LocalCUDACluster or dask-cuda-worker), whose CUDA_VISIBLE_DEVICES is rotated
+per worker, each rank sees its host's GPUs re-listed in torchrun's order.
 """
 
 EPILOG = """\

@@ -35,8 +35,8 @@ class Context:
     rank, world_size : global rank and number of ranks.
     local_rank, local_world_size : index and count of ranks on this host.
     node_rank, num_nodes : index of this host and number of hosts.
-    device : the rank's GPU, else ``torch.device("cpu")``: ``cuda:0`` under
-        dask-cuda, ``cuda:LOCAL_RANK`` where workers see every GPU (see
+    device : the rank's GPU, else ``torch.device("cpu")``: ``cuda:LOCAL_RANK``,
+        under dask-cuda too (the rank sees its GPUs in torchrun's order; see
         :mod:`dask_ddp.rank.devices` for the rule and for shared GPUs).
     device_ids : ``[device.index]`` with a GPU, else None; pass to ``DistributedDataParallel``.
     backend : the torch.distributed backend in use ("nccl" or "gloo").

@@ -158,7 +158,8 @@ def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
                 logging.INFO if spec.num_nodes > 1 else logging.DEBUG,
                 "collectives use interface %s (the worker's address %s); set %s to choose another",
                 next(iter(pinned.values())), spec.host, " / ".join(pinned))
-        backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend)
+        backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend,
+                                                    spec.local_rank, spec.local_world_size)
         if sampler is not None:
             sampler.device = device
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
