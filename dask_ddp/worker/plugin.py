@@ -23,12 +23,14 @@ import shutil
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import dask
 from distributed import WorkerPlugin
 from distributed.core import Status
 
+from dask_ddp.wire.notices import Notice
+from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.hub import HANDLER, Hubs
 from dask_ddp.worker.leaving import RANK_HOST, drain
 from dask_ddp.worker.leaving import register as leave_gracefully
@@ -39,8 +41,23 @@ from dask_ddp.worker.process import (
     worker_tmp_root,
 )
 
-if TYPE_CHECKING:
-    from dask_ddp.worker.supervisor import Supervisor
+
+class Supervisor(Protocol):
+    """What the host needs of a rank supervisor (:class:`dask_ddp.worker.supervisor.Supervisor`, which imports
+    this module: a Protocol, not an import, keeps the two apart)."""
+
+    task: RankTask
+    rank: int
+    ended: threading.Event
+    saving: bool
+
+    def stop(self, reason: str) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def stacks(self, timeout: float) -> str: ...
+
+    def notice(self, notice: Notice) -> None: ...
 
 __all__ = ["RankHost", "register", "ignore_interrupts", "rank_process_pids", "dump_stacks", "warm_spare",
            "queued_tasks"]

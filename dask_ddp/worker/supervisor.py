@@ -48,21 +48,15 @@ from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
 from dask_ddp.worker.process import RankProcess, stop_marked, worker_tmp_root
+from dask_ddp.worker.pump import PUMP_WAIT, OutputPump
 from dask_ddp.worker.relay import Relay, drop_topic
+from dask_ddp.worker.stopping import ORPHANED, STOPPED, StopRule
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
 
 logger = logging.getLogger("dask_ddp")
 
-STOPPED = "stopped because another rank failed or the job was cancelled"
-ORPHANED = ("stopped because the job's client went away (closed, disconnected or died): a job lives as long as "
-            "the client that started it; run(..., detach=True) keeps it running without one")
 _UNWANTED = {"cancelled", "released", "forgotten"}  # a task nobody wants any more (its client released it)
-# torch's C++ warning, with a stack of C++ frames, when the store closes under a rank's wait (rank 0 has ended):
-# its first line holds both marks, the frames follow (checked on torch 2.14; see Supervisor._pump_output)
-_STORE_GONE = ("TCPStore.cpp", "Connection was likely closed")
-_STACK_LINES = ("Exception raised from ", "frame #", "<omitting python frames>")
-PUMP_WAIT = 1.0  # seconds a finished rank's output relays may take to reach the end of its pipes
 _CLOSING = (WorkerStatus.closing, WorkerStatus.closing_gracefully)
 
 
@@ -76,17 +70,13 @@ class Supervisor:
         self.address = worker.address
         self.key = worker.get_current_task()
         self.host = RankHost.of(worker)
-        self.abort = Event(task.abort_event)
         self.relay = Relay(worker, task.topic, self.rank, task.attempt, task.attempt_id, task.flush_interval,
                            task.via, task.hub_interval)
         self.child: RankProcess | None = None
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()
-        self._stderr_tail: deque = deque(maxlen=30)
-        self._last_abort_check = 0.0
-        self._stop_reason: str | None = None
-        self._abort_seen = False
-        self._pumps: list[threading.Thread] = []  # the threads relaying the rank's stdout and stderr
+        self.rule = StopRule(Event(task.abort_event), task.poll_interval, self._orphaned, lambda: self._notice)
+        self.pump: OutputPump | None = None  # relays the rank's stdout and stderr
         self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
         self._notice: Notice | None = None  # a preemption notice this rank knows of: aborts wait for its deadline
@@ -98,12 +88,14 @@ class Supervisor:
         self.host.add(self)
         started = time.time()
         try:
-            self.child = self.host.launcher.take(self._aborted, self.task.spawn_timeout)
+            self.child = self.host.launcher.take(self.rule.aborted, self.task.spawn_timeout)
             if self.child is None:
-                return self._finish(self._fail(Status.ABORTED, self._stop_reason or STOPPED), started)
+                return self._finish(self._fail(Status.ABORTED, self.rule.reason or STOPPED), started)
             if self.task.spare_early:
                 self.host.launcher.refill()
-            self._pump_output()
+            self.child.pumped = True
+            self.pump = OutputPump({"stdout": self.child.stdout, "stderr": self.child.stderr}, self.relay.log,
+                                   self.rule.stopping_within, self.rank).start()
             self.relay.start()
             outcome = self._drive()
         except BaseException as exc:  # an error of dask-ddp itself: still an outcome, never a hang
@@ -115,9 +107,8 @@ class Supervisor:
         if self.child is not None:
             self.child.kill()
             stop_marked(self.task.token)  # what it started in sessions of their own, after it can start no more
-            deadline = time.monotonic() + PUMP_WAIT
-            for thread in self._pumps:  # the rank's last lines reach the relay before it stops
-                thread.join(max(0.0, deadline - time.monotonic()))
+            if self.pump is not None:  # the rank's last lines reach the relay before it stops
+                self.pump.join(PUMP_WAIT)
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         # The next job's spare (or zygote) starts now, not while this one trains: importing torch beside a
@@ -128,8 +119,8 @@ class Supervisor:
         outcome.started = started
         outcome.last_seq = self.relay.seq
         if outcome.status in (Status.ERROR, Status.DIED):
-            self._set_abort()
-        if self._stop_reason == ORPHANED and self.rank == 0:
+            self.rule.set_abort()
+        if self.rule.reason == ORPHANED and self.rank == 0:
             forget_attempt(self.task)  # no client is left to do it
         self.ended.set()
         return outcome
@@ -142,7 +133,7 @@ class Supervisor:
         A rank of code that cannot save declines a closing worker's notice at once, and killing it here lost what
         it had gathered since its last flush. :meth:`kill` ends it at once.
         """
-        self._stop_reason = reason
+        self.rule.stop(reason)
 
     def kill(self) -> None:
         """Kill the rank's process now (what :meth:`stop` did not end in time)."""
@@ -189,8 +180,8 @@ class Supervisor:
     def _recv_until(self, want: Callable, timeout: float, what: str):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._aborted():
-                return self._fail(Status.ABORTED, self._stop_reason or STOPPED)
+            if self.rule.aborted():
+                return self._fail(Status.ABORTED, self.rule.reason or STOPPED)
             if self.child.conn.poll(0.05):
                 try:
                     msg = self.child.conn.recv()
@@ -209,8 +200,8 @@ class Supervisor:
         ready = Event(self.task.port_variable + "-ready")
         deadline = time.monotonic() + self.task.rendezvous_timeout
         while time.monotonic() < deadline:
-            if self._aborted():
-                return self._fail(Status.ABORTED, self._stop_reason or STOPPED)
+            if self.rule.aborted():
+                return self._fail(Status.ABORTED, self.rule.reason or STOPPED)
             if ready.wait(timeout=self.task.poll_interval):
                 return int(Variable(self.task.port_variable).get())
         return self._fail(Status.ERROR, f"rank {self.rank} on worker {self.address} waited "
@@ -233,7 +224,7 @@ class Supervisor:
                 elif isinstance(msg, Failed):
                     result = RankOutcome(self.rank, self.address, Status.ERROR, error=msg.error, time=msg.time,
                                          secondary=msg.secondary, preempt=self._preempt())
-                    self._set_abort()  # stop the others now, not when the client notices
+                    self.rule.set_abort()  # stop the others now, not when the client notices
                 else:
                     self._handle(msg)
                 if result is not None and exit_by is None:  # the child destroys its process group, then exits
@@ -242,9 +233,9 @@ class Supervisor:
                 return result or self._died()
             if exit_by is not None and time.monotonic() > exit_by:
                 return result  # stuck in destroy_process_group: the caller kills it, the outcome stands
-            if result is None and self._aborted():
+            if result is None and self.rule.aborted():
                 self._collect_held_events()
-                return self._fail(Status.ABORTED, self._stop_reason or STOPPED)
+                return self._fail(Status.ABORTED, self.rule.reason or STOPPED)
 
     def _collect_held_events(self, timeout: float = 1.0) -> None:
         """Before a stopped rank is killed: relay the reports, logs and results it holds but has not flushed.
@@ -285,86 +276,6 @@ class Supervisor:
                 self._stacks_ready.set()
 
     # ---- helpers -------------------------------------------------------------------------------------------
-    def _pump_output(self) -> None:
-        """Relay the rank's stdout and stderr line by line, in two threads.
-
-        One thing is left out: the warning torch prints with a stack of C++ frames when the rendezvous store
-        closes under a rank's wait (the notice watcher's, :mod:`dask_ddp.rank.preemption`), if the rank is being
-        stopped by then. Rank 0 hosts the store, so every other rank printed it (15 lines) whenever rank 0
-        failed or was stopped first: a consequence of the stop, whose cause the job reports. Outside a stop
-        (code of the rank's own that uses a store) the warning is relayed whole.
-        """
-        def forward(name, line):
-            if name == "stderr":
-                self._stderr_tail.append(line)
-            self.relay.log(name, line)
-
-        def settle(name, held, ended=False):
-            if self._stopping_within(0.25 if ended else 0.5):
-                logger.debug("dask-ddp: rank %d: left out torch's store warning during the stop: %s", self.rank,
-                             held[0])
-                return
-            for line in held:
-                forward(name, line)
-
-        def pump(stream, name):
-            held: list[str] = []  # a store warning and its frames, until the block ends
-            with stream:  # closed here, at EOF: when the rank and whatever inherited the pipe have ended
-                for raw in iter(stream.readline, b""):
-                    line = raw.decode(errors="replace").rstrip("\n")
-                    if held and (line.startswith(_STACK_LINES) or not line.strip()):
-                        held.append(line)
-                        continue
-                    if held:
-                        settle(name, held)
-                        held = []
-                    if all(mark in line for mark in _STORE_GONE):
-                        held = [line]
-                        continue
-                    forward(name, line)
-                if held:
-                    settle(name, held, ended=True)
-        self.child.pumped = True
-        for stream, name in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr")):
-            thread = threading.Thread(target=pump, args=(stream, name), name=f"dask-ddp-{name}", daemon=True)
-            thread.start()
-            self._pumps.append(thread)
-
-    def _stopping_within(self, wait: float) -> bool:
-        """Whether this rank's job is being stopped (its abort flag is set, or stop() was called), waiting up to
-        ``wait`` s for it. Asks the flag itself: a rank that has returned no longer watches it, yet prints the
-        store warning when a failing rank 0 closes the store under its notice watcher."""
-        deadline = time.monotonic() + wait
-        while not (self._abort_seen or self._stop_reason is not None or self._abort_flag()):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
-
-    def _abort_flag(self) -> bool:
-        """The job's abort flag on the scheduler; an unreachable scheduler counts as set (a lone rank cannot
-        finish a job)."""
-        try:
-            return bool(self.abort.is_set())
-        except Exception:  # noqa: BLE001 - scheduler unreachable
-            return True
-
-    def _aborted(self) -> bool:
-        if self._stop_reason is not None:
-            return True
-        if self._notice is not None and time.time() < self._notice.deadline + 1:
-            return False  # the ranks save for a preemption: the job's abort (its worker left) waits for them
-        now = time.monotonic()
-        if now - self._last_abort_check < self.task.poll_interval:
-            return False
-        self._last_abort_check = now
-        if self._orphaned():
-            self._stop_reason = ORPHANED
-            self._set_abort()
-            return True
-        self._abort_seen = self._abort_flag()
-        return self._abort_seen
-
     def _orphaned(self) -> bool:
         """Whether nobody wants this task any more: its client released it (closed, disconnected or died).
 
@@ -376,20 +287,14 @@ class Supervisor:
         ts = self.worker.state.tasks.get(self.key) if self.key is not None else None
         return ts is None or ts.state in _UNWANTED
 
-    def _set_abort(self) -> None:
-        try:
-            self.abort.set()
-        except Exception:  # noqa: BLE001 - the scheduler is gone; the client's controller decides then
-            pass
-
     def _died(self) -> RankOutcome:
-        if self._stop_reason is not None:
-            return self._fail(Status.ABORTED, self._stop_reason)
+        if self.rule.reason is not None:
+            return self._fail(Status.ABORTED, self.rule.reason)
         code = self.child.wait(10)
         how = ("exited, how is unknown" if code is None else f"was killed by signal {signal.Signals(-code).name}"
                if code < 0 else f"exited with code {code}")
         time.sleep(0.05)  # let the output pumps catch the last lines
-        tail = "\n".join(self._stderr_tail)
+        tail = self.pump.tail() if self.pump is not None else ""
         return self._fail(Status.DIED, f"the process of rank {self.rank} on worker {self.address} {how} "
                           f"without a result" + (f"; its last stderr lines:\n{tail}" if tail else ""))
 

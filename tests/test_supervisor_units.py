@@ -1,0 +1,129 @@
+"""The rank supervisor's small units alone: its output pump (real pipes, real threads) and its stop rule.
+
+The stop rule's abort flag is a Dask ``Event`` on the scheduler; here it is a small stand-in with the same two
+methods, so that an unreachable scheduler and the poll interval can be driven step by step. The supervisor
+with both, on a real cluster, is exercised by every job of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from dask_ddp.wire.notices import Notice
+from dask_ddp.worker.pump import OutputPump
+from dask_ddp.worker.stopping import ORPHANED, StopRule
+
+STORE_WARNING = ["[W1125 TCPStore.cpp:125] [c10d] recvValue failed: Connection was likely closed by the peer",
+                 "Exception raised from recvBytes at ../torch/csrc/distributed/c10d/Utils.hpp:670 (most recent call "
+                 "first):", "frame #0: c10::Error::Error + 0x98", "<omitting python frames>", ""]
+
+
+def pumped(stdout: list[str], stderr: list[str], stopping: bool) -> tuple[list[tuple[str, str]], OutputPump]:
+    logged, lock = [], threading.Lock()
+
+    def log(name, line):
+        with lock:
+            logged.append((name, line))
+
+    pipes = {name: os.pipe() for name in ("stdout", "stderr")}
+    streams = {name: os.fdopen(r, "rb") for name, (r, _) in pipes.items()}
+    pump = OutputPump(streams, log, lambda wait: stopping, rank=3).start()
+    for name, lines in (("stdout", stdout), ("stderr", stderr)):
+        with os.fdopen(pipes[name][1], "wb") as w:
+            w.write("".join(f"{ln}\n" for ln in lines).encode())
+    pump.join(10)
+    assert all(s.closed for s in streams.values()), "a pump closes its stream at end of file"
+    return logged, pump
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_the_pump_relays_every_line_in_order_and_leaves_out_a_store_warning_only_during_a_stop(stopping):
+    stderr = ["before"] + STORE_WARNING + ["after", "bad bytes \udcff".encode("utf-8", "surrogateescape")
+                                           .decode("utf-8", "replace")]
+    logged, pump = pumped(["a", "b", "c"], stderr, stopping)
+    assert [line for name, line in logged if name == "stdout"] == ["a", "b", "c"]
+    err = [line for name, line in logged if name == "stderr"]
+    expected = ["before"] + ([] if stopping else STORE_WARNING) + ["after", stderr[-1]]
+    assert err == expected
+    assert pump.tail().splitlines()[-1] == stderr[-1]
+
+
+def test_the_pump_keeps_the_last_30_stderr_lines():
+    _, pump = pumped([], [f"line {i}" for i in range(100)], stopping=False)
+    assert pump.tail().splitlines() == [f"line {i}" for i in range(70, 100)]
+
+
+class Flag:
+    """The two methods of the attempt's abort ``Event`` the rule uses; ``broken``: the scheduler is unreachable."""
+
+    def __init__(self):
+        self.value, self.broken, self.reads = False, False, 0
+
+    def is_set(self):
+        self.reads += 1
+        if self.broken:
+            raise OSError("scheduler unreachable")
+        return self.value
+
+    def set(self):
+        if self.broken:
+            raise OSError("scheduler unreachable")
+        self.value = True
+
+
+def rule(poll=1.0, orphaned=False, notice=None):
+    now = [100.0]
+    flag = Flag()
+    r = StopRule(flag, poll, lambda: orphaned, lambda: notice, clock=lambda: now[0])
+    return r, flag, now
+
+
+def test_the_rule_reads_the_flag_once_per_poll_interval():
+    r, flag, now = rule(poll=1.0)
+    assert not r.aborted() and flag.reads == 1
+    now[0] += 0.5
+    assert not r.aborted() and flag.reads == 1  # within the interval: no read
+    flag.value = True
+    assert not r.aborted()
+    now[0] += 0.6
+    assert r.aborted() and r.abort_seen and r.reason is None
+
+
+def test_a_stop_wins_at_once_and_names_its_reason():
+    r, flag, _ = rule()
+    r.stop("the worker closes")
+    assert r.aborted() and r.reason == "the worker closes" and flag.reads == 0
+    assert r.stopping_within(0)
+
+
+def test_an_orphaned_rank_stops_and_stops_the_others():
+    r, flag, _ = rule(orphaned=True)
+    assert r.aborted() and r.reason == ORPHANED and flag.value
+
+
+def test_a_preemption_in_progress_holds_the_abort_until_its_deadline():
+    r, flag, now = rule(notice=Notice(time.time() + 60, "leaving"))
+    flag.value = True
+    assert not r.aborted() and flag.reads == 0
+    r2, flag2, _ = rule(notice=Notice(time.time() - 2, "leaving"))
+    flag2.value = True
+    assert r2.aborted()
+
+
+def test_an_unreachable_scheduler_counts_as_set():
+    r, flag, _ = rule()
+    flag.broken = True
+    assert r.aborted() and r.flag() and r.stopping_within(0)
+    r.set_abort()  # best effort: never raises
+
+
+def test_stopping_within_waits_for_the_flag():
+    flag = Flag()
+    r = StopRule(flag, 1.0, lambda: False, lambda: None)
+    assert not r.stopping_within(0.15)
+    threading.Timer(0.1, lambda: setattr(flag, "value", True)).start()
+    assert r.stopping_within(5)
