@@ -8,6 +8,7 @@ import pytest
 import dask_ddp
 from dask_ddp.client import policy
 from dask_ddp.client.policy import (
+    Action,
     Decision,
     StallBlame,
     blame_stall,
@@ -40,6 +41,9 @@ def test_policy_root_cause_and_decisions():
     assert (d.action, d.root.rank) == ("restart", 0) and "attempt 2/3" in d.reason
     assert decide([o(0, "died", 1)], cancelled=False, attempt=2, max_restarts=2).action == "fail"
     assert decide([o(0, "error", 1)], cancelled=True, attempt=0, max_restarts=5).action == "fail"
+    assert d.action is Action.RESTART and Decision("fail", "x").action is Action.FAIL  # an enum, from text too
+    with pytest.raises(ValueError):
+        Decision("retry", "not an action")
 
 
 # (outcomes, cancelled, attempt, max_restarts) -> (action, root rank or None, words in the reason)

@@ -3,14 +3,15 @@
 Runs in: the client, in the job's watcher thread. :meth:`Controller.step` does
 one iteration; :meth:`Controller.run` loops it until the job has ended. Each
 iteration delivers the events that arrived, notes lost and silent workers and
-ended ranks, and moves the attempt through its phases::
+ended ranks, and moves the attempt through its phases (:class:`Phase`)::
 
     running ---- every rank ended ----> draining ---- its events are in ----> (decide)
        ^                                                                        |
        |                         finish / fail: the job ends <------------------+
        +---- enough workers ---- waiting for workers <---- restart <------------+
 
-Decisions come from :mod:`dask_ddp.client.policy` (pure); actions go through a
+Decisions (a :class:`~dask_ddp.client.policy.Action` and its reason) come from
+:mod:`dask_ddp.client.policy` (pure); actions go through a
 cluster port (:class:`dask_ddp.client.cluster.DaskCluster`, or a fake in tests).
 The job's state machine (PENDING, RUNNING, RESTARTING, FINISHED, FAILED,
 CANCELLED) lives in the :class:`~dask_ddp.client.record.JobRecord`.
@@ -18,6 +19,7 @@ CANCELLED) lives in the :class:`~dask_ddp.client.record.JobRecord`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -27,9 +29,12 @@ import cloudpickle
 import dask
 
 from dask_ddp.client import elastic, policy
+from dask_ddp.client.attempt import Attempt
+from dask_ddp.client.callbacks import Callbacks
 from dask_ddp.client.events import EventOrder
 from dask_ddp.client.launch import rank_tasks
 from dask_ddp.client.liveness import SilenceWatch
+from dask_ddp.client.policy import Action
 from dask_ddp.client.record import JobRecord, format_log
 from dask_ddp.client.stragglers import StragglerWatch
 from dask_ddp.dashboard import jobs as dashboard_jobs
@@ -39,59 +44,27 @@ from dask_ddp.wire.errors import (
     ClientClosedError,
     DaskDDPError,
     JobCancelledError,
-    StallError,
 )
 from dask_ddp.wire.notices import Stopped, grace_period
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.spec import LaunchSpec
-from dask_ddp.wire.task import RankTask
 
-__all__ = ["Controller", "Attempt", "Callbacks"]
+__all__ = ["Controller", "Phase"]
 
 logger = logging.getLogger("dask_ddp")
 
 DRAIN_WAIT = 5.0  # seconds an ended attempt waits for its ranks' last event batches
 QUEUED_AFTER = 10.0  # seconds into an attempt when its rank tasks are checked for waiting on a busy worker
-HOOKS = ("on_start", "on_metrics", "on_log", "on_telemetry", "on_straggler", "on_failure", "on_restart", "on_finish")
 
 
-class Callbacks:
-    """The job's callbacks; a broken one is logged, disabled for the job, and never changes its outcome."""
+class Phase(enum.StrEnum):
+    """Where the controller's current attempt is (see the module docstring)."""
 
-    def __init__(self, callbacks):
-        self.callbacks = list(callbacks)
-        self._broken: set[int] = set()
-
-    def __call__(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            if id(cb) in self._broken:
-                continue
-            plain = callable(cb) and not any(hasattr(cb, h) for h in HOOKS)
-            fn = (cb if hook in ("on_metrics", "on_log") else None) if plain else getattr(cb, hook, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - a broken callback never changes the training outcome
-                self._broken.add(id(cb))
-                logger.exception("dask-ddp callback %r failed in %s; it is disabled for this job", cb, hook)
-
-
-class Attempt:
-    """Live state of one attempt: its plan, tasks, futures and the outcomes seen so far."""
-
-    def __init__(self, index: int, plan: planning.RankPlan, tasks: list[RankTask], futures: list, launched: float):
-        self.index, self.plan, self.tasks, self.futures = index, plan, tasks, futures
-        self.launched = launched  # the controller's clock() at launch
-        self.outcomes: dict[int, RankOutcome] = {}
-        self.lost: dict[str, float] = {}  # worker address -> time it was found gone
-        self.leaving: dict[str, float] = {}  # worker address -> clock() it was retired: its ranks may be saving
-        self.grow_asked = False
-        self.stalled: StallError | None = None
-        self.queue_checked = False
-
-    def ended(self) -> bool:
-        return len(self.outcomes) == len(self.tasks)
+    NEW = "new"  # nothing launched yet
+    RUNNING = "running"  # ranks run; outcomes are collected as they end
+    DRAINING = "draining"  # every rank ended: their last event batches are awaited
+    WAITING = "waiting"  # a restart waits for the workers it needs
+    ENDED = "ended"  # the job has ended
 
 
 class Controller:
@@ -110,7 +83,7 @@ class Controller:
         self.silence = SilenceWatch(spec.worker_timeout)
         self.attempt: Attempt | None = None
         self.cancel_requested = False
-        self.phase = "new"  # new, running, draining, waiting (for workers to restart on), ended
+        self.phase = Phase.NEW
         self._deadline = 0.0
         self._backfilled = False
         self._restart_need: tuple[int, Any] = (0, None)
@@ -150,18 +123,18 @@ class Controller:
 
     def step(self, wait: float = 0.05) -> bool:
         """One iteration: deliver events (waiting up to ``wait`` s for some), then advance. True once ended."""
-        if self.phase == "ended":
+        if self.phase == Phase.ENDED:
             return True
         self._deliver(self.cluster.events(wait))
-        if self.phase == "running":
+        if self.phase == Phase.RUNNING:
             self._check_ranks()
-        if self.phase == "running" and self._grow:
+        if self.phase == Phase.RUNNING and self._grow:
             self._check_growth()
-        if self.phase == "draining":
+        if self.phase == Phase.DRAINING:
             self._check_drained()
-        if self.phase == "waiting":
+        if self.phase == Phase.WAITING:
             self._check_restart()
-        return self.phase == "ended"
+        return self.phase == Phase.ENDED
 
     def cancel(self) -> None:
         """Ask every rank to stop; the job ends CANCELLED once they have."""
@@ -218,7 +191,7 @@ class Controller:
         with self.record.cond:
             self.record.telemetry.clear()
             self.record.stragglers.clear()
-        self.phase = "running"
+        self.phase = Phase.RUNNING
         self._transition("RUNNING", f"attempt {index + 1}: {plan.world_size} ranks on "
                                     f"{', '.join(plan.addresses)}, master {plan.master_addr}")
         if self.cancel_requested:
@@ -241,7 +214,7 @@ class Controller:
         for r, task, fut in zip(att.plan.ranks, att.tasks, att.futures):
             if r.rank in att.outcomes:
                 continue
-            if r.address in att.lost or self._left_for_good(att, r.address):
+            if r.address in att.lost or att.left_for_good(r.address, self.clock(), self.grace):
                 outcome = policy.lost_outcome(r, att.lost.get(r.address, time.time()),
                                               self.silence.silent.get(r.address))
                 self.cluster.cancel(fut)  # pinned to a dead worker, it would wait forever
@@ -255,16 +228,7 @@ class Controller:
         self._check_stall(att)
         self._check_queued(att)
         if att.ended():
-            self.phase, self._deadline, self._backfilled = "draining", self.clock() + DRAIN_WAIT, False
-
-    def _left_for_good(self, att: Attempt, address: str) -> bool:
-        """A retired worker's rank is lost once every other rank has ended (saved, or failed) or the grace
-        period has passed: until then it may be saving, and the others must not be stopped."""
-        if address not in att.leaving:
-            return False
-        others = [r.rank for r in att.plan.ranks if r.address not in att.leaving]
-        return bool(others) and all(rk in att.outcomes for rk in others) or \
-            self.clock() > att.leaving[address] + self.grace + 5
+            self.phase, self._deadline, self._backfilled = Phase.DRAINING, self.clock() + DRAIN_WAIT, False
 
     def _check_growth(self) -> None:
         """An elastic job below its maximum saves and restarts on more workers once idle ones have joined."""
@@ -344,16 +308,16 @@ class Controller:
         decision = policy.decide(outcomes, cancelled=self.cancel_requested, attempt=att.index - self.preemptions,
                                  max_restarts=self.spec.max_restarts)
         pre = elastic.preemption(outcomes)
-        if pre is not None and decision.action != "finish" and not self.cancel_requested:
+        if pre is not None and decision.action != Action.FINISH and not self.cancel_requested:
             decision = self._after_preemption(pre)
         self.cluster.release(att.futures)
         self.cluster.cleanup(att.tasks[0])
-        if decision.action == "finish":
+        if decision.action == Action.FINISH:
             values = [cloudpickle.loads(att.outcomes[r].value) for r in sorted(att.outcomes)]
             self._end("FINISHED", None, decision.reason, values)
         elif self.cancel_requested:
             self._cancelled(decision.reason)
-        elif decision.action == "restart":
+        elif decision.action == Action.RESTART:
             self._begin_restart(att, decision)
         else:
             self._end("FAILED", policy.root_error(decision, att.outcomes.values(), self.run_id), decision.reason)
@@ -365,14 +329,14 @@ class Controller:
             self.departed.add(pre.notice.worker)  # it is closing: the restart must not plan on it
         fallback = None if pre.safe else elastic.last_checkpoint_step(self.spec.checkpoint_dir, self.run_id,
                                                                         self.spec.checkpoint_options)
-        return policy.Decision("restart", elastic.reason(pre, self.record.top_step, fallback, self.grace))
+        return policy.Decision(Action.RESTART, elastic.reason(pre, self.record.top_step, fallback, self.grace))
 
     def _begin_restart(self, att: Attempt, decision: policy.Decision) -> None:
         self._transition("RESTARTING", decision.reason)
         self.callbacks("on_restart", self.owner, att.index + 1)
         self._restart_need = policy.restart_request(self.spec.workers, att.plan.world_size)
         self._decision = decision
-        self.phase, self._deadline = "waiting", self.clock() + self.spec.restart_wait
+        self.phase, self._deadline = Phase.WAITING, self.clock() + self.spec.restart_wait
 
     def _check_restart(self) -> None:
         """Restart once the cluster has the workers it needs (silent ones left out), or give up at the deadline."""
@@ -412,7 +376,7 @@ class Controller:
 
     # ---- acting --------------------------------------------------------------------------------------------
     def _abort(self, cause: str) -> None:
-        if self.attempt is None or self.phase not in ("running", "new"):
+        if self.attempt is None or self.phase not in (Phase.RUNNING, Phase.NEW):
             return
         self.cluster.abort(self.attempt.tasks[0])
         logger.info("job %s: stopping every rank of attempt %d: %s", self.run_id, self.attempt.index + 1, cause)
@@ -421,7 +385,7 @@ class Controller:
         self._end("CANCELLED", JobCancelledError(f"job {self.run_id} was cancelled; every rank was stopped"), cause)
 
     def _end(self, state: str, error: BaseException | None, cause: str = "", values: list | None = None) -> None:
-        self.phase = "ended"
+        self.phase = Phase.ENDED
         self.record.error, self.record.values = error, values
         self._transition(state, cause or (str(error) if error else ""))
         if error is not None:

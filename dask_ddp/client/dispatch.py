@@ -27,8 +27,8 @@ import dask
 
 from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
 from dask_ddp.client import detach as detach_module
+from dask_ddp.client.callbacks import HOOKS
 from dask_ddp.client.cluster import check_client, scheduler_workers
-from dask_ddp.client.controller import HOOKS
 from dask_ddp.client.detach import attach
 from dask_ddp.client.job import Job
 from dask_ddp.dashboard import install as install_dashboard

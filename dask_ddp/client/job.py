@@ -22,8 +22,9 @@ from typing import Iterator
 import dask
 import pandas as pd
 
+from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.cluster import DaskCluster
-from dask_ddp.client.controller import Attempt, Controller
+from dask_ddp.client.controller import Controller
 from dask_ddp.client.record import ENDED, JobRecord, format_log
 from dask_ddp.data.checkpoint import job_folder
 from dask_ddp.observe.display import job_html

@@ -14,6 +14,7 @@ tested without a cluster (``tests/test_policy.py``):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -23,7 +24,7 @@ from dask_ddp.wire.errors import RankFailedError, StallError, WorkerLostError
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.plan import RankSpec, elastic_bounds
 
-__all__ = ["Decision", "decide", "root_cause", "root_error", "restart_request", "StallBlame", "blame_stall",
+__all__ = ["Action", "Decision", "decide", "root_cause", "root_error", "restart_request", "StallBlame", "blame_stall",
            "stall_error", "lost_outcome", "in_collective"]
 
 # Which failure explains the others: a lost worker explains its peers' broken collectives,
@@ -35,13 +36,24 @@ _FATE = {Status.OK: "finished", Status.ABORTED: "was stopped", Status.ERROR: "ra
          Status.LOST: "lost its worker", Status.STALLED: "stalled", Status.PREEMPTED: "stopped for a preemption"}
 
 
+class Action(enum.StrEnum):
+    """What follows an attempt whose ranks have all ended."""
+
+    FINISH = "finish"  # every rank returned: the job ends FINISHED
+    FAIL = "fail"  # the job ends FAILED (or CANCELLED)
+    RESTART = "restart"  # a new attempt, on the workers the cluster has
+
+
 @dataclass(frozen=True)
 class Decision:
-    """What to do after an attempt: ``finish``, ``fail`` or ``restart``, why, and the root cause if any."""
+    """What to do after an attempt (an :class:`Action`), why, and the root cause if any."""
 
-    action: str
+    action: Action
     reason: str
     root: RankOutcome | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", Action(self.action))
 
 
 def root_cause(outcomes: Sequence[RankOutcome]) -> RankOutcome | None:
@@ -60,17 +72,17 @@ def decide(outcomes: Sequence[RankOutcome], *, cancelled: bool, attempt: int, ma
     ``attempt < max_restarts``. Cancellation is never restarted.
     """
     if cancelled:
-        return Decision("fail", "cancelled by the user")
+        return Decision(Action.FAIL, "cancelled by the user")
     root = root_cause(outcomes)
     if root is None:
         if all(o.status == Status.OK for o in outcomes):
-            return Decision("finish", "every rank returned")
-        return Decision("fail", "ranks were stopped without a failure of their own")
+            return Decision(Action.FINISH, "every rank returned")
+        return Decision(Action.FAIL, "ranks were stopped without a failure of their own")
     where = f"rank {root.rank} on {root.worker} {_WHAT[root.status]}"
     if attempt < max_restarts:
-        return Decision("restart", f"{where}; attempt {attempt + 2}/{max_restarts + 1}", root)
+        return Decision(Action.RESTART, f"{where}; attempt {attempt + 2}/{max_restarts + 1}", root)
     tail = f" after {attempt + 1} attempts" if max_restarts else ""
-    return Decision("fail", f"{where}{tail}", root)
+    return Decision(Action.FAIL, f"{where}{tail}", root)
 
 
 def root_error(decision: Decision, outcomes: Sequence[RankOutcome], run_id: str) -> BaseException:

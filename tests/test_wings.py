@@ -1,0 +1,170 @@
+"""The house plan as a tested rule: which wing may import which, how big a module may grow, what is public.
+
+Read from the source with ``ast`` (the import graph of ``test_imports``), nothing of dask_ddp imported for the
+rules; imports inside functions count (they run), imports under ``if TYPE_CHECKING:`` do not. The README's
+"Code layout" section shows the same table (``test_the_readme_shows_the_table``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_imports import PACKAGE, Edge, import_graph
+
+ROOT = PACKAGE.parent
+WINGS = ("client", "worker", "rank", "wire", "data", "observe", "dashboard")
+FACADE = ("dask_ddp", "dask_ddp.dispatch", "dask_ddp.checkpoint")  # the public paths: they may import any wing
+#: wing -> the wings it may import (its own always; ``config`` is every process's settings)
+MAY_IMPORT = {
+    "wire": {"config"},
+    "worker": {"wire", "config"},
+    "rank": {"data", "wire", "config"},
+    "data": {"wire", "config"},
+    "observe": {"data", "wire", "config"},
+    "dashboard": {"wire", "config"},
+    "client": {"worker", "observe", "dashboard", "data", "wire", "config"},
+    "cli": None,  # None: anything (the shell's and the old package's front doors)
+    "compat": None,
+    "config": set(),
+}
+MAX_LINES = 400
+
+
+def wing_of(module: str) -> str:
+    """``dask_ddp.client.job`` -> ``client``; a top-level public module is its own name; the package is ``dask_ddp``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dask_ddp"
+
+
+def violations(edges: list[Edge]) -> list[str]:
+    """Every import against the table, as text naming the importing module, the imported one and where."""
+    found = []
+    for e in edges:
+        if e.source in FACADE:
+            continue
+        source, target = wing_of(e.source), wing_of(e.target)
+        allowed = MAY_IMPORT.get(source, set())
+        if source == target or allowed is None:
+            continue
+        if target not in allowed:
+            why = "the package (it imports the rank and observe wings)" if target == "dask_ddp" else f"{target}/"
+            found.append(f"{source}/ may not import {why}: {e}")
+    return found
+
+
+def test_every_module_is_in_a_wing_of_the_table():
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        assert module in FACADE or wing_of(module) in MAY_IMPORT, f"{path}: not in a wing of the plan"
+
+
+def test_wings_import_only_what_the_table_allows():
+    found = violations(import_graph(PACKAGE))
+    assert not found, f"{len(found)} import(s) against the plan:\n" + "\n".join(found)
+
+
+def test_the_rule_finds_a_violation_and_lets_the_allowed_pass():
+    def edge(source, target, function=None):
+        return Edge(source, target, "x.py:1", function)
+
+    assert violations([edge("dask_ddp.client.job", "dask_ddp.worker.plugin"),
+                       edge("dask_ddp.rank.main", "dask_ddp.data.checkpoint"),
+                       edge("dask_ddp.worker.hub", "dask_ddp.config"),
+                       edge("dask_ddp.cli.demo", "dask_ddp.rank.context"),
+                       edge("dask_ddp.dispatch", "dask_ddp.client.dispatch")]) == []
+    bad = violations([edge("dask_ddp.wire.task", "dask_ddp.client.launch", "f"),
+                      edge("dask_ddp.worker.leaving", "dask_ddp.rank.preemption"),
+                      edge("dask_ddp.data.checkpoint", "dask_ddp")])
+    assert [b.split(":")[0] for b in bad] == ["wire/ may not import client/", "worker/ may not import rank/",
+                                             "data/ may not import the package (it imports the rank and observe "
+                                             "wings)"]
+
+
+@pytest.mark.parametrize("wing", [w for w in WINGS])
+def test_each_wing_says_where_it_runs_and_what_it_may_import(wing):
+    doc = ast.get_docstring(ast.parse((PACKAGE / wing / "__init__.py").read_text())) or ""
+    assert "Runs in:" in doc, f"dask_ddp/{wing}/__init__.py: say where the wing's code runs"
+    if wing != "dashboard":
+        assert "May import:" in doc, f"dask_ddp/{wing}/__init__.py: say what the wing may import"
+
+
+def test_no_module_over_the_size_bound():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    over = {p: n for p, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines (split them by concept): {over}"
+
+
+def test_every_module_says_where_it_runs():
+    missing = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+               if p.name not in ("__main__.py",) and "Runs in:" not in (ast.get_docstring(ast.parse(p.read_text()))
+                                                                       or "")]
+    assert not missing, f"modules whose docstring does not say 'Runs in:': {missing}"
+
+
+# ---- the public names -----------------------------------------------------------------------------------------
+PUBLIC = {
+    "dask_ddp.dispatch": ["run", "warm_up", "attach", "LaunchSpec"],
+    "dask_ddp.data": ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"],
+    "dask_ddp.checkpoint": ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
+                            "Checkpoint", "CheckpointError", "job_folder", "rng_state", "set_rng_state"],
+    "dask_ddp.compat": ["dispatch", "results"],
+    "dask_ddp.compat.dispatch": ["run"],
+    "dask_ddp.compat.data": ["S3ImageFolder"],
+    "dask_ddp.compat.results": ["DaskResultsHandler"],
+    "dask_ddp.cli": ["main", "build_parser"],
+    "dask_ddp.dashboard": ["DDPDashboard", "install"],
+}
+
+
+def test_every_documented_public_name_imports():
+    import dask_ddp
+
+    missing = [name for name in dask_ddp.__all__ if getattr(dask_ddp, name, None) is None]
+    for module, names in PUBLIC.items():
+        mod = importlib.import_module(module)
+        missing += [f"{module}.{name}" for name in names + list(getattr(mod, "__all__", []))
+                    if getattr(mod, name, None) is None]
+    assert not missing, f"documented names that do not import: {missing}"
+    readme = (ROOT / "README.md").read_text()
+    for dotted in sorted(set(re.findall(r"\bdask_ddp(?:\.[A-Za-z_]\w*)+", readme))):
+        module, _, name = dotted.rpartition(".")
+        try:
+            assert hasattr(importlib.import_module(module), name) or importlib.util.find_spec(dotted), dotted
+        except ModuleNotFoundError:
+            pytest.fail(f"README names {dotted}, which does not import")
+
+
+def test_the_modules_processes_run_exist():
+    """The CLI runs as ``python -m dask_ddp.cli``; a worker starts ``python -m dask_ddp.rank.zygote`` (or
+    ``dask_ddp.rank.main``) by name, so a rename must keep those."""
+    out = subprocess.run([sys.executable, "-m", "dask_ddp.cli", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-2000:]
+    source = (PACKAGE / "worker" / "process.py").read_text()
+    started = re.findall(r'"-m", "(dask_ddp[\w.]+)"', source)
+    assert sorted(started) == ["dask_ddp.rank.main", "dask_ddp.rank.zygote"], started
+    for module in started:
+        assert importlib.util.find_spec(module) is not None, module
+
+
+def test_the_readme_shows_the_table():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Code layout", 1)[1].split("\n## ", 1)[0]
+    for wing, allowed in MAY_IMPORT.items():
+        if wing == "config":
+            continue
+        row = next((ln for ln in section.splitlines() if ln.startswith(f"| `{wing}/`")), None)
+        assert row is not None, f"README's code layout has no row for {wing}/"
+        cell = row.split("|")[3]
+        shown = {w for w in re.findall(r"`(\w+)`", cell)}
+        if allowed is None:
+            assert "anything" in cell, row
+        else:
+            assert shown == allowed - {"config"}, f"README says {wing}/ may import {shown}, the rule {allowed}"
