@@ -74,7 +74,7 @@ def test_a_master_addr_that_is_not_rank_0s_fails_fast_naming_it(client):
 def test_a_store_nobody_listens_on_gives_a_rendezvous_error_in_the_rendezvous_timeout():
     """Rank 1's side, against a port of 127.0.0.1 that is bound but not listening (refused, like a firewall's
     REJECT): RendezvousError naming address and port after ddp.rendezvous-timeout, not the collective timeout."""
-    from dask_ddp.rank.main import _open_store
+    from dask_ddp.rank.rendezvous import open_store as _open_store
     from dask_ddp.wire.plan import RankSpec
     from dask_ddp.wire.task import RankTask
 

@@ -15,7 +15,6 @@ supervisor or Dask worker never leaves a rank behind.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -23,40 +22,25 @@ import tempfile
 import threading
 import time
 import traceback
-from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import cloudpickle
-from tblib import pickling_support
 
-from dask_ddp.rank import context, devices, network, preemption, reporting, telemetry
+from dask_ddp.rank import context, preemption, reporting, telemetry
+from dask_ddp.rank.outcome import outcome
+from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
 from dask_ddp.wire import pickling
-from dask_ddp.wire.errors import (
-    RankExitError,
-    RankFailedError,
-    RendezvousError,
-    SerializationError,
-)
 from dask_ddp.wire.messages import (
     Events,
-    Failed,
     Flushed,
     FlushRequest,
     Notice,
-    Port,
     Ready,
-    Result,
-    Saved,
     Stacks,
     StacksRequest,
     Start,
 )
 from dask_ddp.wire.task import RankTask
-
-# Text of gloo's and NCCL's plain RuntimeErrors for a broken connection: the last resort of
-# _is_collective_error, for the errors torch gives no type of their own (gloo raises RuntimeError)
-_COLLECTIVE_TEXT = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL error",
-                    "ProcessGroupNCCL", "ProcessGroupGloo")
 
 
 def _die() -> None:
@@ -119,17 +103,6 @@ class _Channel:
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()
 
 
-def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:
-    exc.add_note(f"[dask-ddp] raised on rank {rank}, worker {worker}; the other ranks were stopped")
-    pickling_support.install(exc)
-    try:
-        return cloudpickle.dumps(exc)
-    except Exception:
-        text = "".join(traceback.format_exception(exc))
-        return cloudpickle.dumps(RankFailedError(f"rank {rank} on worker {worker} raised an exception that cannot "
-                                                 f"be pickled back to the client:\n{text}", rank=rank, worker=worker))
-
-
 def _use_tmpdir(path: str | None) -> None:
     """Point ``tempfile`` (and what the rank starts, through TMPDIR) at the folder the supervisor removes."""
     if path:
@@ -137,195 +110,45 @@ def _use_tmpdir(path: str | None) -> None:
         tempfile.tempdir = path  # gettempdir() caches its first answer; the zygote may have asked already
 
 
-def _run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
+def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
+    """Run one rank of one attempt: its reports and telemetry, the rendezvous, the call, its outcome. The
+    outcome goes to the supervisor before the process group is destroyed (destroying it breaks the other ranks'
+    collectives, and their errors must not reach the supervisors before this rank's own)."""
     import torch.distributed as dist  # imported (warm) by main() already; here for its name
 
     spec = task.rank
-    rank, world_size, worker = spec.rank, spec.world_size, spec.address
-    buf = reporting.EventBuffer(rank, task.attempt)
-    sampler = telemetry.start(rank, task.attempt, task.telemetry_interval) if task.telemetry_interval else None
+    buf = reporting.EventBuffer(spec.rank, task.attempt)
+    sampler = telemetry.start(spec.rank, task.attempt, task.telemetry_interval) if task.telemetry_interval else None
     flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval,
                                                sampler)
-    timeout = timedelta(seconds=task.timeout)
-    try:
+    joined: list[Joined] = []
+
+    def call():
         os.environ.update(task.env)
         fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
         pickling.expose_main(fn, *args, *kwargs.values())  # the notebook's functions, as __main__.<name>
-        pinned = network.pin_interfaces(spec.host)
-        store = _open_store(chan, task, master_port)
-        if rank == 0 and pinned:  # worth a line in the notebook only where the interface matters: across hosts
-            logging.getLogger("dask_ddp").log(
-                logging.INFO if spec.num_nodes > 1 else logging.DEBUG,
-                "collectives use interface %s (the worker's address %s); set %s to choose another",
-                next(iter(pinned.values())), spec.host, " / ".join(pinned))
-        backend, device, device_ids = devices.place(store, rank, world_size, worker, task.backend,
-                                                    spec.local_rank, spec.local_world_size)
-        if sampler is not None:
-            sampler.device = device
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)  # nccl: collectives on it
-        _join(store, world_size)
-        preemption.start(store, task.master_addr, int(os.environ["MASTER_PORT"]), rank, world_size, chan.send,
-                         preemption.grace_period(), worker)
-        context._set_context(context.Context(
-            rank=rank, local_rank=spec.local_rank, world_size=world_size,
-            local_world_size=spec.local_world_size, node_rank=spec.node_rank, num_nodes=spec.num_nodes,
-            device=device, device_ids=device_ids, backend=backend, run_id=task.run_id,
-            restart_count=task.attempt, max_restarts=task.max_restarts, worker=worker,
-            master_addr=task.master_addr, master_port=store.port, checkpoint_dir=task.checkpoint_dir,
-            checkpoint_options=task.checkpoint_options))
-        try:
-            value = fn(*args, **kwargs)
-        except SystemExit as exc:
-            value = _exit_value(exc, rank, worker)
-        blob = _pickle_value(value, rank, worker)
-        _finish(store, rank, world_size)
-        message = Result(blob)
-    except preemption.Preempted as exc:  # stopped at the agreed step: wait until the save is committed
-        message = Saved(preemption.stopped(exc))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
-        exc = _as_exception(exc, rank, worker)
-        _add_hint(exc)
-        # a broken collective on a survivor is a consequence, not a root cause
-        message = Failed(_serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
-    # The outcome goes out before the process group is destroyed: destroying it breaks the other ranks'
-    # collectives, and their errors must not reach the supervisors before this rank's own.
+        joined.append(rendezvous(chan.send, task, master_port, sampler))
+        context._set_context(context_of(task, joined[0]))
+        return fn(*args, **kwargs)
+
+    message = outcome(call, spec.rank, spec.address,
+                      finish=lambda: finish(joined[0].store, spec.rank, spec.world_size))
     flusher.stop()
     chan.send(message)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _exit_value(exc: SystemExit, rank: int, worker: str) -> None:
-    """The value of a rank whose function called ``sys.exit``: None for ``sys.exit()`` and ``sys.exit(0)``
-    (torchrun counts exit code 0 as success).
-
-    Raises
-    ------
-    RankExitError
-        Any other code, or a message (Python exits with code 1 for it); the ``SystemExit`` is its cause.
-    """
-    what = RankExitError.describe(exc.code)
-    if what is None:
-        return None
-    raise RankExitError(f"the function called sys.exit with {what} on rank {rank} (worker {worker})",
-                        code=exc.code, rank=rank, worker=worker) from exc
-
-
-def _as_exception(exc: BaseException, rank: int, worker: str) -> BaseException:
-    """``exc``, or for a ``BaseException`` that is no ``Exception`` (``KeyboardInterrupt``, ``GeneratorExit``,
-    a ``SystemExit`` from outside the function) a :class:`RankFailedError` caused by it: re-raised as such in
-    the notebook, it would read as the user's own Ctrl-C or end a script, and pass ``except Exception``."""
-    if isinstance(exc, Exception):
-        return exc
-    err = RankFailedError(f"rank {rank} on worker {worker} raised {type(exc).__name__}: {exc}", rank=rank,
-                          worker=worker)
-    err.__cause__ = exc
-    return err
-
-
-def _add_hint(exc: BaseException) -> None:
-    """Add a note saying what to do to a rank's error that has a known cause in how the function was written."""
-    if isinstance(exc, ValueError) and "initialize the default process group twice" in str(exc):
-        import torch.distributed as dist
-
-        backend = dist.get_backend() if dist.is_initialized() else "?"
-        exc.add_note(f"[dask-ddp] dask-ddp initialises the process group before it calls your function (backend "
-                     f"{backend}, torchrun's environment set): remove the function's own "
-                     "dist.init_process_group(...), or call it only `if not dist.is_initialized()`. An unchanged "
-                     "torchrun script runs with `dask-ddp run script.py`.")
-
-
-def _pickle_value(value, rank: int, worker: str) -> bytes:
-    """The function's return value, pickled to go back to the client.
-
-    Raises
-    ------
-    SerializationError
-        It cannot be pickled (a lock, an open file, a generator, ...); the pickling error is its cause.
-    """
-    try:
-        return cloudpickle.dumps(value)
-    except Exception as exc:
-        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-        raise SerializationError(
-            f"rank {rank} on worker {worker}: the function's return value ({kind}) cannot be pickled back to the "
-            f"client: {type(exc).__name__}: {exc}. Return plain values (numbers, tensors, dicts of them); save "
-            "models and large state with dask_ddp.save_checkpoint", rank=rank, worker=worker) from exc
-
-
-def _open_store(chan: _Channel, task: RankTask, master_port: int | None):
-    """Rank 0: host the rendezvous store on ``master_addr`` only (a port the OS picks: no race, no collision)
-    and send its port. Other ranks: connect within ``rendezvous_timeout``, then wait on the store as long as
-    the collectives do (``timeout``).
-
-    Raises
-    ------
-    RendezvousError
-        ``master_addr`` is not an address of rank 0's host, or a rank cannot reach the store in time.
-    """
-    import torch.distributed as dist
-
-    spec, timeout = task.rank, timedelta(seconds=task.timeout)
-    if spec.rank == 0:
-        sock = network.listen(task.master_addr, rank=0, worker=spec.address)
-        host, port = sock.getsockname()[:2]
-        store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
-        chan.send(Port(port))
-    else:
-        port = master_port
-        try:
-            store = dist.TCPStore(task.master_addr, port, spec.world_size, is_master=False,
-                                  timeout=timedelta(seconds=task.rendezvous_timeout))
-        except dist.DistError as exc:
-            raise RendezvousError(
-                f"rank {spec.rank} on worker {spec.address} could not reach the rendezvous store at "
-                f"{task.master_addr}:{port} within {task.rendezvous_timeout:g} s (ddp.rendezvous-timeout): "
-                f"{str(exc).splitlines()[0]}. Is master_addr an address every worker can reach, and is the port "
-                "open between the workers (firewall, NetworkPolicy)?") from None
-        store.set_timeout(timeout)
-    os.environ["MASTER_PORT"] = str(port)
-    return store
-
-
-def _join(store, world_size: int) -> None:
-    """Wait until every rank has its process group: no rank starts the function (and fails) before all joined."""
-    if store.add("dask_ddp/joined", 1) == world_size:
-        store.set("dask_ddp/all_joined", "1")
-    store.wait(["dask_ddp/all_joined"])
-
-
-def _is_collective_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a broken collective (a peer went away) rather than the rank's own failure.
-
-    By type first: torch's ``DistError`` family (NCCL's ``DistBackendError``, the store's
-    ``DistStoreError``/``DistNetworkError``). Then by where it was raised: a ``RuntimeError`` from
-    inside ``torch.distributed``'s Python API. Last, and only for the ``RuntimeError`` that gloo
-    raises from C++ with no type of its own (for instance inside DDP's backward all-reduce), by its
-    text (``_COLLECTIVE_TEXT``): checked on torch 2.14, gloo's "Connection reset by peer".
-    """
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames and "torch/distributed/" in frames[-1].filename.replace("\\", "/"):
-        return True
-    return any(mark in str(exc) for mark in _COLLECTIVE_TEXT)
-
-
-def _finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
-    """Rank 0 hosts the store: it stays until every rank has finished, so no rank loses it early; then every
-    rank's notice watcher is let go (:func:`preemption.release`) before the store can close."""
-    store.add("dask_ddp/done", 1)
-    if rank == 0:
-        deadline = time.monotonic() + wait
-        while store.add("dask_ddp/done", 0) < world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
-    preemption.release(store, rank, world_size)  # no notice watcher left waiting on the store when it closes
+def context_of(task: RankTask, joined: Joined) -> context.Context:
+    """What ``get_context()`` returns in the rank of ``task``, once it has joined."""
+    spec = task.rank
+    return context.Context(
+        rank=spec.rank, local_rank=spec.local_rank, world_size=spec.world_size,
+        local_world_size=spec.local_world_size, node_rank=spec.node_rank, num_nodes=spec.num_nodes,
+        device=joined.device, device_ids=joined.device_ids, backend=joined.backend, run_id=task.run_id,
+        restart_count=task.attempt, max_restarts=task.max_restarts, worker=spec.address,
+        master_addr=task.master_addr, master_port=joined.store.port, checkpoint_dir=task.checkpoint_dir,
+        checkpoint_options=task.checkpoint_options)
 
 
 def warm_imports() -> None:
@@ -354,7 +177,7 @@ def serve(fd: int) -> None:
         os._exit(0)
     chan.listen()
     _use_tmpdir(msg.tmpdir)
-    _run_job(chan, msg.task, msg.master_port)
+    run_job(chan, msg.task, msg.master_port)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

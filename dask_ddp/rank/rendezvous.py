@@ -1,0 +1,125 @@
+"""A rank's rendezvous: its store, its device, its process group, every rank joined.
+
+Runs in: the rank process (called by :func:`dask_ddp.rank.main.run_job` before the user's function).
+
+Rank 0 hosts the rendezvous store on the master address only, on a port the OS
+picks (no race, no collision) and sends the port to its supervisor, which
+publishes it for the others. Then every rank takes its device
+(:mod:`dask_ddp.rank.devices`), initialises the process group on the store,
+waits until every rank has done so (:func:`join`), and starts its side of the
+preemption protocol. At the end, :func:`finish` keeps rank 0's store up until
+every rank is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+from dask_ddp.rank import devices, network, preemption
+from dask_ddp.wire.errors import RendezvousError
+from dask_ddp.wire.messages import Port
+from dask_ddp.wire.task import RankTask
+
+__all__ = ["Joined", "rendezvous", "open_store", "join", "finish"]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What the rendezvous gives the rank: its store (rank 0 hosts it) and its placement."""
+
+    store: Any
+    backend: str
+    device: Any
+    device_ids: list | None
+
+
+def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=None) -> Joined:
+    """Meet the other ranks of ``task``'s attempt: store, device, process group, every rank joined.
+
+    ``send``: the channel to the supervisor (rank 0 sends its store's port there; the preemption protocol
+    its notices); ``sampler``: the rank's telemetry sampler, told the device.
+
+    Raises
+    ------
+    RendezvousError
+        The store cannot be hosted on ``master_addr`` or reached in time (see :func:`open_store`).
+    """
+    import torch.distributed as dist  # imported (warm) by the rank's main() already
+
+    spec = task.rank
+    pinned = network.pin_interfaces(spec.host)
+    store = open_store(send, task, master_port)
+    if spec.rank == 0 and pinned:  # worth a line in the notebook only where the interface matters: across hosts
+        logging.getLogger("dask_ddp").log(
+            logging.INFO if spec.num_nodes > 1 else logging.DEBUG,
+            "collectives use interface %s (the worker's address %s); set %s to choose another",
+            next(iter(pinned.values())), spec.host, " / ".join(pinned))
+    backend, device, device_ids = devices.place(store, spec.rank, spec.world_size, spec.address, task.backend,
+                                                spec.local_rank, spec.local_world_size)
+    if sampler is not None:
+        sampler.device = device
+    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=task.timeout),
+                            device_id=device if backend == "nccl" else None)  # nccl: collectives on it
+    join(store, spec.world_size)
+    preemption.start(store, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
+                     preemption.grace_period(), spec.address)
+    return Joined(store, backend, device, device_ids)
+
+
+def open_store(send: Callable, task: RankTask, master_port: int | None):
+    """Rank 0: host the rendezvous store on ``master_addr`` only (a port the OS picks: no race, no collision)
+    and send its port. Other ranks: connect within ``rendezvous_timeout``, then wait on the store as long as
+    the collectives do (``timeout``).
+
+    Raises
+    ------
+    RendezvousError
+        ``master_addr`` is not an address of rank 0's host, or a rank cannot reach the store in time.
+    """
+    import torch.distributed as dist
+
+    spec, timeout = task.rank, timedelta(seconds=task.timeout)
+    if spec.rank == 0:
+        sock = network.listen(task.master_addr, rank=0, worker=spec.address)
+        host, port = sock.getsockname()[:2]
+        store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
+        send(Port(port))
+    else:
+        port = master_port
+        try:
+            store = dist.TCPStore(task.master_addr, port, spec.world_size, is_master=False,
+                                  timeout=timedelta(seconds=task.rendezvous_timeout))
+        except dist.DistError as exc:
+            raise RendezvousError(
+                f"rank {spec.rank} on worker {spec.address} could not reach the rendezvous store at "
+                f"{task.master_addr}:{port} within {task.rendezvous_timeout:g} s (ddp.rendezvous-timeout): "
+                f"{str(exc).splitlines()[0]}. Is master_addr an address every worker can reach, and is the port "
+                "open between the workers (firewall, NetworkPolicy)?") from None
+        store.set_timeout(timeout)
+    os.environ["MASTER_PORT"] = str(port)
+    return store
+
+
+def join(store, world_size: int) -> None:
+    """Wait until every rank has its process group: no rank starts the function (and fails) before all joined."""
+    if store.add("dask_ddp/joined", 1) == world_size:
+        store.set("dask_ddp/all_joined", "1")
+    store.wait(["dask_ddp/all_joined"])
+
+
+def finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
+    """Rank 0 hosts the store: it stays until every rank has finished, so no rank loses it early; then every
+    rank's notice watcher is let go (:func:`preemption.release`) before the store can close."""
+    store.add("dask_ddp/done", 1)
+    if rank == 0:
+        deadline = time.monotonic() + wait
+        while store.add("dask_ddp/done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    preemption.release(store, rank, world_size)  # no notice watcher left waiting on the store when it closes
