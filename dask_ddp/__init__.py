@@ -63,7 +63,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dask_ddp' has no attribute {name!r}")
 
 __all__ = [
-    "dispatch", "attach", "DetachedJobNotFound", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state",
+    "dispatch", "attach", "DetachedJobNotFound", "Job", "S3ImageFolder", "save_checkpoint", "load_checkpoint",
+    "latest_checkpoint", "rng_state",
     "set_rng_state", "Context", "get_context", "report", "rank_zero_first", "seed_everything",
     "all_reduce_mean", "DaskDDPError", "PlanError", "SerializationError", "RankFailedError", "RankExitError",
     "WorkerLostError",

@@ -205,7 +205,8 @@ def _local_cluster_kind(workers: int | None, dask_cuda: bool, gpus: int):
 
 @contextlib.contextmanager
 def _sigint_handler(handler):
-    """SIGINT goes to ``handler`` (a callable, or ``signal.SIG_IGN``) inside the block; main thread only, else a no-op."""
+    """SIGINT goes to ``handler`` (a callable, or ``signal.SIG_IGN``) inside the block; main thread only, else a
+    no-op."""
     try:
         previous = signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread: signals are not ours to change

@@ -236,8 +236,8 @@ class Controller:
         if att.grow_asked or now < self._next_grow or not self.last_report:
             return
         self._next_grow = now + 1.0
-        idle = [a for a, info in self.cluster.workers().items() if a not in att.plan.addresses
-                and a not in self.silence.silent and a not in self.departed and info.get("status", "running") == "running"]
+        idle = [a for a in self._usable_workers()
+                if a not in att.plan.addresses and a not in self.silence.silent and a not in self.departed]
         more = elastic.grow_by(self._grow, att.plan.world_size, len(idle))
         if more:
             att.grow_asked = True

@@ -56,7 +56,8 @@ def reason(p: Stopped, top_step: int, fallback_step: int | None, grace: float) -
         where = f"resuming from the last periodic checkpoint (step {fallback_step})"
     why = ("the ranks did not stop at an agreed step" if p.step is None else
            f"the save at step {p.step} was not committed")
-    return f"{head}; {why} within the {grace:g} s grace period (ddp.preemption.grace-period): {where}; {lost} steps lost"
+    return (f"{head}; {why} within the {grace:g} s grace period (ddp.preemption.grace-period): {where}; "
+            f"{lost} steps lost")
 
 
 def grow_by(bounds: tuple[int, int | None], world_size: int, idle_workers: int) -> int:

@@ -7,7 +7,8 @@ Runs in: the scheduler's process, on its event loop (Bokeh server sessions of th
 running dashboard: the Bokeh server that Dask's own pages live in. Bokeh has no public call to add an
 application to a running server, so this does what ``BokehTornado.__init__`` does for each application
 (an :class:`~bokeh.server.contexts.ApplicationContext` and its routes) and adds the routes with tornado's
-``add_handlers``; ``tests/test_dashboard.py`` checks it (last with bokeh 3.9.2 and distributed 2026.7.1). A scheduler without a dashboard (no bokeh, ``dashboard_address=None``)
+``add_handlers``; ``tests/test_dashboard.py`` checks it (last with bokeh 3.9.2 and distributed 2026.7.1).
+A scheduler without a dashboard (no bokeh, ``dashboard_address=None``)
 gets no page; its ``/metrics`` still has the gauges.
 """
 
@@ -131,7 +132,8 @@ class DDPPage:
             index = jobs_data["run"].index(job.run)
             if self.jobs.selected.indices != [index]:
                 self.jobs.selected.indices = [index]
-            self.title.text = f"<h3>DDP jobs</h3><p>{len(jobs)} job(s) on this cluster; select one to see its ranks.</p>"
+            self.title.text = (f"<h3>DDP jobs</h3><p>{len(jobs)} job(s) on this cluster; select one to see its "
+                               "ranks.</p>")
             self.detail.text, self.ranks.data, self.lines.data = detail, ranks, lines
         finally:
             self._updating = False

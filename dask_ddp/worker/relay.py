@@ -38,7 +38,7 @@ class Relay:
     def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None,
                  via: str | None = None, hub_interval: float = 1.0):
         self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
-        self.via, self.hub_interval = via, hub_interval  # the worker whose hub publishes for this host (dask_ddp.worker.hub)
+        self.via, self.hub_interval = via, hub_interval  # the worker whose hub publishes for this host (see hub)
         self.seq = -1
         self._items: list[dict] = []
         self._lock = threading.Lock()
