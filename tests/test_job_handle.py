@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 import uuid
 
 import cloudpickle
@@ -32,6 +33,12 @@ def steps(n):
         dask_ddp.report(i=float(i))
     print(f"rank {ctx.rank} done", flush=True)
     return ctx.rank
+
+
+def forever():
+    dask_ddp.report(started=1.0)
+    while True:
+        time.sleep(0.05)
 
 
 def _name(what: str) -> str:
@@ -112,6 +119,17 @@ def test_every_property_works_the_same_on_a_local_a_detached_and_an_attached_job
     assert job.run_id in job._repr_html_() and f"{job.run_id} FINISHED ranks=2" in repr(job)
     job.cancel()  # an ended job: nothing to do
     assert job.state == "FINISHED"
+
+
+def test_a_detached_job_cancelled_while_its_driver_starts_is_cancelled(client, detached):
+    """cancel() right after run(): the driver in the scheduler's process is most likely still connecting its
+    client; the cancel is kept and applied once the job has started, never dropped."""
+    job = detached(forever, name=_name("early"))
+    job.cancel(timeout=90)
+    assert job.state == "CANCELLED", job.history
+    with pytest.raises(dask_ddp.JobCancelledError):
+        job.result(timeout=10)
+    wait_until(lambda: no_running_ranks(client), 60, what="every rank stopped")
 
 
 def test_a_driver_that_cannot_start_is_a_failed_job_to_find(client):
