@@ -1,17 +1,18 @@
 """Detached jobs: ``run(..., detach=True)`` keeps a job running without its client; :func:`attach` finds it again.
 
-Runs in: the scheduler's process (the driver: :func:`_start`, :func:`_find`, :func:`_snapshot`,
-:func:`_cancel`, called through ``client.run_on_scheduler``) and the client (:func:`launch`,
-:func:`attach`, :class:`Follower`).
+Runs in: the scheduler's process (the driver: :func:`_start`, :func:`_find`, :func:`_spec`,
+:func:`_snapshot`, :func:`_cancel`, called through ``client.run_on_scheduler``) and the client
+(:func:`launch`, :func:`attach`, :class:`RemoteControl`).
 
 A job's controller normally runs in the client and the job ends with it (see
 :mod:`dask_ddp.worker.supervisor`: a rank whose task its client released stops). A
 detached job's controller runs in a thread of the scheduler's process instead,
 with a Dask client of its own: the scheduler outlives notebooks, and the job
 lives as long as the scheduler. Any client (a new kernel) can then attach by
-name or run id and read the job as its own :class:`~dask_ddp.client.job.Job`: live
-metrics and logs (from the job's first held event on), state, history,
-``result()`` and ``cancel()``; the follower polls the driver every
+name or run id and read the job through a :class:`~dask_ddp.client.job.Job` of its own, the
+same handle as a local job's, with the job's own :class:`~dask_ddp.wire.spec.LaunchSpec`
+(``checkpoint_dir``, ``name``, ...): live metrics and logs (from the job's first held event on),
+state, history, ``result()`` and ``cancel()``. Its :class:`RemoteControl` polls the driver every
 ``ddp.detached.poll-interval`` seconds and never talks to a worker.
 
 The scheduler keeps the last ``ddp.detached.keep`` ended jobs (and up to
@@ -27,58 +28,70 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from types import SimpleNamespace
 
 import cloudpickle
 import dask
 
 from dask_ddp.client.cluster import check_client
+from dask_ddp.client.control import LocalControl, new_record
 from dask_ddp.client.job import Job
-from dask_ddp.client.record import JobRecord, format_log
+from dask_ddp.client.record import ENDED, JobRecord, format_log
 from dask_ddp.wire.errors import DaskDDPError
 from dask_ddp.wire.spec import LaunchSpec
 
-__all__ = ["launch", "attach", "Follower", "DetachedJobNotFound"]
+__all__ = ["launch", "attach", "RemoteControl", "DetachedJobNotFound"]
 
 _BATCH = 5000  # events per poll at most
-
-# ---- the driver, in the scheduler's process -------------------------------------------------------------------
-_DRIVERS: dict[str, Job | None] = {}  # run id -> its Job (None while it starts)
-_ENDED: deque[str] = deque()
-_LOCK = threading.Lock()
 
 
 class DetachedJobNotFound(DaskDDPError, LookupError):
     """No detached job of that name or run id is known to the scheduler (or several match a name)."""
 
 
+# ---- the driver, in the scheduler's process -------------------------------------------------------------------
+@dataclasses.dataclass
+class _Driver:
+    """One detached job as the scheduler's process holds it: its spec and record from the start (a driver that
+    cannot start is a FAILED record), its handle once the driver's client is connected."""
+
+    spec: LaunchSpec
+    record: JobRecord
+    job: Job | None = None
+    cancel_asked: bool = False  # cancel() came before the handle: the driver cancels the job once started
+
+
+_DRIVERS: dict[str, _Driver] = {}  # run id -> its driver
+_ENDED: deque[str] = deque()
+_LOCK = threading.Lock()
+
+
 def _start(blob: bytes, dask_scheduler=None) -> str:
     spec: LaunchSpec = cloudpickle.loads(blob)
+    driver = _Driver(spec, new_record(spec.run_id))
     with _LOCK:
-        _DRIVERS[spec.run_id] = None
-    threading.Thread(target=_drive, args=(dask_scheduler.address, spec), name=f"dask-ddp-driver-{spec.run_id}",
+        _DRIVERS[spec.run_id] = driver
+    threading.Thread(target=_drive, args=(dask_scheduler.address, driver), name=f"dask-ddp-driver-{spec.run_id}",
                      daemon=True).start()
     return spec.run_id
 
 
-def _drive(address: str, spec: LaunchSpec) -> None:
+def _drive(address: str, driver: _Driver) -> None:
     from distributed import Client
 
+    spec, record = driver.spec, driver.record
     try:
         with Client(address, set_as_default=False) as client:
-            job = Job(client, spec)
+            job = Job(client, spec, LocalControl(client, spec, record))._start()
             with _LOCK:
-                _DRIVERS[spec.run_id] = job
-            job._start()
+                driver.job, cancel = job, driver.cancel_asked
+            if cancel:
+                job.cancel()
             job.wait(progress=False)
     except Exception as exc:  # noqa: BLE001 - a driver that cannot start is a FAILED job, never a PENDING one
-        record = JobRecord(spec.run_id)
-        record.error = exc
-        record.transition("FAILED", f"the driver in the scheduler's process could not run the job: {exc!r}")
-        record.settle()
-        with _LOCK:
-            _DRIVERS[spec.run_id] = SimpleNamespace(name=spec.name or spec.fn_name, state="FAILED", spec=spec,
-                                                    _record=record, plan=None, cancel=lambda: None)
+        if not record.settled:
+            record.error = exc
+            record.transition("FAILED", f"the driver in the scheduler's process could not run the job: {exc!r}")
+            record.settle()
     with _LOCK:
         _ENDED.append(spec.run_id)
         while len(_ENDED) > dask.config.get("ddp.detached.keep"):
@@ -87,24 +100,27 @@ def _drive(address: str, spec: LaunchSpec) -> None:
 
 def _find(name: str, dask_scheduler=None) -> list[dict]:
     with _LOCK:
-        jobs = list(_DRIVERS.items())
-    return [{"run_id": run_id, "name": job.name if job else run_id, "state": job.state if job else "PENDING",
-             "progress": job.spec.progress if job else True, "total": job.spec.total if job else None}
-            for run_id, job in jobs if name in (run_id, job.name if job else None)]
+        drivers = list(_DRIVERS.values())
+    return [{"run_id": d.spec.run_id, "name": d.spec.name or d.spec.fn_name, "state": d.record.state}
+            for d in drivers if name in (d.spec.run_id, d.spec.name or d.spec.fn_name)]
+
+
+def _spec(run_id: str, dask_scheduler=None) -> LaunchSpec | None:
+    with _LOCK:
+        driver = _DRIVERS.get(run_id)
+    return None if driver is None else driver.spec
 
 
 def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
     with _LOCK:
-        if run_id not in _DRIVERS:
-            return None
-        job = _DRIVERS[run_id]
-    if job is None:
-        return {"state": "PENDING", "history": [], "events": [], "n": n, "settled": False}
-    record = job._record
+        driver = _DRIVERS.get(run_id)
+    if driver is None:
+        return None
+    record, job = driver.record, driver.job
     with record.cond:
         events, after = record.events_since(n, _BATCH)
         out = {"state": record.state, "history": list(record.history), "events": events, "n": after,
-               "settled": record.settled and after == record.n_events, "plan": job.plan,
+               "settled": record.settled and after == record.n_events, "plan": job.plan if job else None,
                "telemetry": dict(record.telemetry), "stragglers": dict(record.stragglers), "created": record.created}
         if out["settled"]:
             out["outcome"] = cloudpickle.dumps((record.error, record.values))
@@ -113,31 +129,36 @@ def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
 
 def _cancel(run_id: str, dask_scheduler=None) -> bool:
     with _LOCK:
-        job = _DRIVERS.get(run_id)
-    if job is None:
-        return False
+        driver = _DRIVERS.get(run_id)
+        if driver is None:
+            return False
+        job = driver.job
+        if job is None:  # its driver is still connecting
+            driver.cancel_asked = True
+            return True
     threading.Thread(target=job.cancel, name=f"dask-ddp-cancel-{run_id}", daemon=True).start()  # not on the loop
     return True
 
 
 # ---- the client's side ----------------------------------------------------------------------------------------
-def launch(client, spec: LaunchSpec) -> Follower:
-    """Start ``spec`` with its controller in the scheduler's process; return a :class:`Follower` of it.
+def launch(client, spec: LaunchSpec) -> Job:
+    """Start ``spec`` with its controller in the scheduler's process; return a :class:`Job` following it.
 
     ``spec`` has no callbacks (``run`` refuses them with ``detach=True``: they would run in the scheduler).
     Raises nothing of its own.
     """
     driven = dataclasses.replace(spec, echo_logs=False)  # the scheduler's output is nobody's to read
     client.run_on_scheduler(_start, cloudpickle.dumps(driven))
-    return Follower(client, spec.run_id, spec.name or spec.fn_name, spec.progress, spec.total)
+    return Job(client, spec, RemoteControl(client, spec))._start()
 
 
-def attach(client, name: str, *, progress: bool | None = None) -> Follower:
+def attach(client, name: str, *, progress: bool | None = None) -> Job:
     """Follow a detached job (``run(..., detach=True)``) by its name or run id, from any client of its cluster.
 
-    The handle is a :class:`~dask_ddp.client.job.Job`: ``metrics``, ``logs``, ``stream()``, ``state``,
-    ``history``, ``result()``, ``wait()`` and ``cancel()`` work as for the job's own handle; its
-    metrics start from the oldest report the scheduler still holds (``ddp.events.max-rows``).
+    The handle is a :class:`~dask_ddp.client.job.Job` with the job's own spec: ``checkpoint_dir``,
+    ``metrics``, ``logs``, ``stream()``, ``state``, ``history``, ``result()``, ``wait()`` and ``cancel()``
+    work as for the job's own handle; its metrics start from the oldest report the scheduler still holds
+    (``ddp.events.max-rows``). ``progress`` defaults to the job's own setting.
 
     Raises
     ------
@@ -152,55 +173,53 @@ def attach(client, name: str, *, progress: bool | None = None) -> Follower:
     check_client(client)
     found = client.run_on_scheduler(_find, name)
     if len(found) > 1:
-        running = [f for f in found if f["state"] not in ("FINISHED", "FAILED", "CANCELLED")]
+        running = [f for f in found if f["state"] not in ENDED]
         found = running if len(running) == 1 else found
     if len(found) != 1:
         known = ", ".join(f"{f['run_id']} ({f['state']})" for f in found) or "none"
         raise DetachedJobNotFound(f"{'several' if found else 'no'} detached jobs named {name!r} on this cluster's "
                                   f"scheduler (matching: {known}); attach by run id")
-    f = found[0]
-    return Follower(client, f["run_id"], f["name"], f["progress"] if progress is None else progress, f["total"])
+    run_id = found[0]["run_id"]
+    spec = client.run_on_scheduler(_spec, run_id)
+    if spec is None:  # it ended and was forgotten between the two questions
+        raise DetachedJobNotFound(f"the scheduler no longer knows detached job {run_id} (it ended more than "
+                                  "ddp.detached.keep jobs ago)")
+    spec = dataclasses.replace(spec, echo_logs=dask.config.get("ddp.echo-logs"),
+                               progress=spec.progress if progress is None else progress)
+    return Job(client, spec, RemoteControl(client, spec))._start()
 
 
-class _Remote:
-    """What a follower asks of the driver: only ``cancel`` (and ``attempt``, which it does not know)."""
+class RemoteControl:
+    """The control of a :class:`~dask_ddp.client.job.Job` whose driver runs in the scheduler's process.
+
+    A thread polls the driver into ``record`` (and ``plan``); ``cancel`` asks the driver. There is no
+    ``attempt`` (its futures live with the driver) and no callback runs here; Ctrl-C leaves the job running.
+    """
 
     attempt = None
 
-    def __init__(self, client, run_id: str):
-        self.client, self.run_id = client, run_id
+    def __init__(self, client, spec: LaunchSpec):
+        self.client, self.run_id, self.echo = client, spec.run_id, spec.echo_logs
+        self.record = new_record(spec.run_id)
+        self.plan = None
+        self._thread = threading.Thread(target=self._follow, name=f"dask-ddp-follow-{self.run_id}", daemon=True)
+
+    def bind(self, job) -> None:
+        """Nothing to bind: a detached job has no callbacks."""
+
+    def start(self) -> None:
+        self._thread.start()
 
     def cancel(self) -> None:
         self.client.run_on_scheduler(_cancel, self.run_id)
 
+    def in_driver_thread(self) -> bool:
+        return False  # the driver's thread is in the scheduler's process; this one's polling runs no callback
 
-class Follower(Job):
-    """A :class:`~dask_ddp.client.job.Job` whose controller runs in the scheduler's process (a detached job).
-
-    Its record is filled by a thread that polls the driver; ``futures`` is empty and ``attempt`` None
-    (they live with the driver); ``plan`` is the driver's current plan.
-    """
-
-    def __init__(self, client, run_id: str, name: str, progress: bool, total: int | None):
-        events = dask.config.get("ddp.events")
-        self.client, self.run_id, self.name = client, run_id, name
-        self.spec = SimpleNamespace(progress=progress, total=total, name=name)
-        self._record = JobRecord(run_id, events["max-rows"], events["max-lines"])
-        self._ctl = _Remote(client, run_id)
-        self._plan = None
-        self._echo = dask.config.get("ddp.echo-logs")
-        self._thread = threading.Thread(target=self._follow, name=f"dask-ddp-follow-{run_id}", daemon=True)
-        self._thread.start()
-
-    @property
-    def plan(self):
-        return self._plan
-
-    def _interrupted(self, exc: KeyboardInterrupt) -> None:
+    def interrupted(self, exc: KeyboardInterrupt) -> None:
         """Ctrl-C while waiting on a detached job: it keeps running (it is meant to outlive the notebook)."""
-        if not self.done():
-            exc.add_note(f"[dask-ddp] interrupted: detached job {self.run_id} keeps running; "
-                         f"dask_ddp.attach(client, {self.run_id!r}).cancel() stops it")
+        exc.add_note(f"[dask-ddp] interrupted: detached job {self.run_id} keeps running; "
+                     f"dask_ddp.attach(client, {self.run_id!r}).cancel() stops it")
 
     def _follow(self) -> None:
         n, interval = 0, dask.config.get("ddp.detached.poll-interval")
@@ -213,10 +232,10 @@ class Follower(Job):
                 time.sleep(interval)
                 continue
             if snap is None:
-                self._record.error = DetachedJobNotFound(f"the scheduler no longer knows detached job {self.run_id} "
-                                                         "(it restarted, or the job ended long ago)")
-                self._record.transition("FAILED", str(self._record.error))
-                self._record.settle()
+                self.record.error = DetachedJobNotFound(f"the scheduler no longer knows detached job {self.run_id} "
+                                                        "(it restarted, or the job ended long ago)")
+                self.record.transition("FAILED", str(self.record.error))
+                self.record.settle()
                 return
             n = self._take(snap)
             if snap["settled"]:
@@ -225,10 +244,10 @@ class Follower(Job):
                 time.sleep(interval)
 
     def _take(self, snap: dict) -> int:
-        record, self._plan = self._record, snap.get("plan")
+        record, self.plan = self.record, snap.get("plan")
         if snap["events"]:
             record.add(snap["events"])
-            if self._echo:
+            if self.echo:
                 from dask_ddp.observe.progress import Progress
 
                 for item in snap["events"]:

@@ -8,24 +8,23 @@ Runs in: the client (the notebook). States (every transition is logged on the
                        -> CANCELLED    (job.cancel())
                        -> RESTARTING -> RUNNING   (max_restarts not used up)
 
-The handle only reads: a watcher thread runs the job's
-:class:`~dask_ddp.client.controller.Controller`, which owns the live state and
-writes what the handle shows into a :class:`~dask_ddp.client.record.JobRecord`.
+The handle only reads a :class:`~dask_ddp.client.record.JobRecord` and acts through a control
+(:mod:`dask_ddp.client.control`) that fills it: by default a local one, whose watcher thread runs the
+job's :class:`~dask_ddp.client.controller.Controller`; for a detached or attached job a remote one,
+that polls the job's driver in the scheduler's process (:mod:`dask_ddp.client.detach`). Either way
+the handle, its spec (the job's :class:`~dask_ddp.wire.spec.LaunchSpec`) and every property are the same.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Iterator
 
-import dask
 import pandas as pd
 
 from dask_ddp.client.attempt import Attempt
-from dask_ddp.client.cluster import DaskCluster
-from dask_ddp.client.controller import Controller
-from dask_ddp.client.record import ENDED, JobRecord, format_log
+from dask_ddp.client.control import Control, LocalControl
+from dask_ddp.client.record import ENDED, format_log
 from dask_ddp.data.checkpoint import job_folder
 from dask_ddp.observe.display import job_html
 from dask_ddp.observe.progress import Progress
@@ -41,6 +40,10 @@ LEAD = ["rank", "attempt", "step", "time", "elapsed"]
 class Job:
     """A DDP job started by :func:`dask_ddp.dispatch.run`; returned at once, while the ranks start.
 
+    The same handle follows a detached job (``run(..., detach=True)``, :func:`dask_ddp.attach`): its
+    ``futures`` are empty and ``attempt`` is None (they live with the job's driver in the scheduler's
+    process), and Ctrl-C while waiting leaves it running.
+
     Attributes
     ----------
     run_id : str
@@ -53,22 +56,24 @@ class Job:
         PENDING, RUNNING, RESTARTING, FINISHED, FAILED or CANCELLED.
     history : list of (time, old, new, cause)
     futures : list of distributed.Future
-        The rank tasks of the current attempt, in rank order.
+        The rank tasks of the current attempt, in rank order (empty for a detached job).
+    spec : LaunchSpec
+        What the job was launched with (frozen).
     """
 
-    def __init__(self, client, spec: LaunchSpec):
+    def __init__(self, client, spec: LaunchSpec, control: Control | None = None):
+        """The handle of job ``spec`` on ``client``'s cluster, acting through ``control`` (default: a
+        :class:`~dask_ddp.client.control.LocalControl`, which drives the job from this process)."""
         self.client, self.spec = client, spec
         self.run_id = spec.run_id
         self.name = spec.name or spec.fn_name
         self.topic = topic_of(self.run_id)
-        events = dask.config.get("ddp.events")
-        self._record = JobRecord(self.run_id, events["max-rows"], events["max-lines"])
-        self._ctl = Controller(spec, self.run_id, DaskCluster(client, self.topic), self._record, owner=self)
-        self._thread = threading.Thread(target=self._ctl.run, name=f"dask-ddp-job-{self.run_id}", daemon=True)
+        self._control = LocalControl(client, spec) if control is None else control
+        self._control.bind(self)
+        self._record = self._control.record
 
     def _start(self) -> "Job":
-        self._ctl.start()
-        self._thread.start()
+        self._control.start()
         return self
 
     # ---- state ---------------------------------------------------------------------------------------------
@@ -89,7 +94,7 @@ class Job:
     @property
     def attempt(self) -> Attempt | None:
         """The current attempt (its ``index``, ``plan``, ``futures`` and ``outcomes``), or None before the first."""
-        return self._ctl.attempt
+        return self._control.attempt
 
     @property
     def futures(self) -> list:
@@ -98,7 +103,7 @@ class Job:
     @property
     def plan(self):
         """The :class:`~dask_ddp.wire.plan.RankPlan` of the current attempt (None before the first)."""
-        return self.attempt.plan if self.attempt else None
+        return self._control.plan
 
     def done(self) -> bool:
         """True once the job has FINISHED, FAILED or been CANCELLED (and its on_finish callbacks have run)."""
@@ -173,7 +178,7 @@ class Job:
             Inside a callback before the job's end: waiting there would wait forever, since the callbacks run in
             the thread that drives the job.
         """
-        if threading.current_thread() is not self._thread:
+        if not self._control.in_driver_thread():
             return False
         if self._record.state in ENDED:
             return True
@@ -182,15 +187,10 @@ class Job:
                            "and read job.state / job.metrics, or wait in on_finish")
 
     def _interrupted(self, exc: KeyboardInterrupt) -> None:
-        """Ctrl-C while waiting: a job the user stops watching must not go on holding its workers (and GPUs)
-        unseen, as ``dask-ddp run`` and torchrun stop theirs. Cancels without waiting (a second Ctrl-C must not
-        be needed); notes on ``exc`` what happened."""
-        if self.done():
-            return
-        self._ctl.cancel()
-        exc.add_note(f"[dask-ddp] interrupted: job {self.run_id} was cancelled, its ranks stop within a second "
-                     "(job.state turns CANCELLED). To keep a job running while the notebook does other work, do "
-                     "not wait on it: run() returns at once; run(..., detach=True) outlives the notebook.")
+        """Ctrl-C while waiting: a local job is cancelled without waiting, a detached one keeps running; a note
+        on ``exc`` says which."""
+        if not self.done():
+            self._control.interrupted(exc)
 
     def cancel(self, timeout: float = 30) -> None:
         """Stop every rank (their processes are killed) and wait for them; result() then raises JobCancelledError.
@@ -200,8 +200,8 @@ class Job:
         """
         if self.done():
             return
-        self._ctl.cancel()
-        if threading.current_thread() is not self._thread:
+        self._control.cancel()
+        if not self._control.in_driver_thread():
             self.wait(timeout, progress=False)
 
     # ---- what the ranks sent -------------------------------------------------------------------------------
