@@ -22,7 +22,7 @@ class Progress:
         self.bar = tqdm(total=total, desc=job.run_id, unit="step", dynamic_ncols=True, leave=True)
         self._seen = 0
         self.table = None  # in Jupyter, the per-rank table under the bar (a widget, as the bar is)
-        telemetry = getattr(job.spec, "telemetry_interval", 1.0)  # an attached (detached) job's spec has none
+        telemetry = job.spec.telemetry_interval  # None: the job runs without telemetry
         notebook = sys.modules.get("tqdm.notebook")  # imported by tqdm.auto in Jupyter only
         if notebook is not None and isinstance(self.bar, notebook.tqdm_notebook) and telemetry is not None:
             from dask_ddp.observe.display import LiveTable
