@@ -25,6 +25,7 @@ models are left alone: their ranks report ``collective_wait`` None.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 
 __all__ = ["patch_ddp", "settle"]
@@ -33,12 +34,24 @@ _PENDING: deque = deque()  # (start, end) CUDA events of NCCL steps not yet know
 
 
 class _Timing:
-    """The hook's state: the counters to add to and the user's own hook, if any."""
+    """The hook's state: the counters to add to and the user's own hook, if any.
+
+    The process group is held weakly. The hook's futures complete on the backend's own threads, and what
+    they hold is freed there: had the last reference to a group been this state (a script that destroys
+    its group, then drops its model), the group would be freed on one of its own threads, which joins
+    itself and aborts the rank ("Resource deadlock avoided", the tutorial script of tests/test_cli.py).
+    """
 
     def __init__(self, counters, process_group):
-        self.c, self.pg = counters, process_group
+        self.c = counters
+        self._pg = weakref.ref(process_group) if process_group is not None else None
         self.hook = self.state = None
         self.user = False  # a user hook (or built-in) replaced the default
+
+    @property
+    def pg(self):
+        """The model's process group; None for the default group (or once the group is gone)."""
+        return self._pg() if self._pg is not None else None
 
 
 def _timed_hook(timing: _Timing, bucket):
@@ -57,9 +70,10 @@ def _timed_hook(timing: _Timing, bucket):
         return fut.then(lambda f: f.value()[0]) if unwrap else fut
     start = _cuda_event() if bucket.buffer().is_cuda else None
     t0 = time.perf_counter()
+    c = timing.c  # the callback holds the counters only: it is freed on the backend's thread
 
     def done(f):
-        c, t1 = timing.c, time.perf_counter()
+        t1 = time.perf_counter()
         if start is None:
             c.coll_wait += t1 - t0
         else:
