@@ -168,3 +168,19 @@ def test_queued_message_names_each_waiting_rank_with_what_holds_its_worker():
                        "stops it")
     assert policy.queued_message({"tcp://c:3": found["tcp://c:3"]}, {"k0": 0}) is None  # nothing waits: no word
     assert policy.queued_message({"tcp://a:1": found["tcp://a:1"]}, {}) is None  # another job's keys: not ours
+
+
+def test_a_retired_workers_rank_is_lost_as_a_preemption_not_a_crash():
+    from dask_ddp.client import elastic
+    from dask_ddp.wire.plan import RankSpec
+
+    r = RankSpec(rank=1, local_rank=0, node_rank=1, world_size=2, local_world_size=1, num_nodes=2,
+                 address="tcp://10.0.0.2:4000", host="10.0.0.2", name="w1")
+    crash = lost_outcome(r, 100.0)
+    assert crash.preempt is None and elastic.preemption([crash]) is None
+    retired = lost_outcome(r, 100.0, retired=True)
+    assert retired.status == Status.LOST and "was retired" in retired.message
+    pre = elastic.preemption([retired])
+    assert pre is not None and pre.notice.worker == r.address and pre.step is None and not pre.safe
+    assert elastic.reason(pre, 12, 9, 25).startswith(f"preempted: worker {r.address} was retired; the ranks did "
+                                                     "not stop at an agreed step")

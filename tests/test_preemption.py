@@ -323,3 +323,56 @@ def test_closing_a_cluster_while_a_killed_worker_restarts_takes_no_connect_timeo
         took = time.monotonic() - t0
     print(f"closed {delay} s after the kill: {took:.1f} s")
     assert took < 15, f"closing took {took:.1f} s"
+
+
+def train_without_reports(epochs, step_time):
+    """DDP training that never calls report(), saves a checkpoint every epoch (5 steps) and resumes from the
+    newest; returns (world size, restart count, first epoch run)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = dask_ddp.load_checkpoint()
+    start = 0 if state is None else state["epoch"] + 1
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+    for epoch in range(start, epochs):
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            opt.step()
+            time.sleep(step_time)
+        dask_ddp.save_checkpoint({"model": model.module.state_dict(), "epoch": epoch}, step=epoch, keep=2)
+    return ctx.world_size, ctx.restart_count, start
+
+
+@pytest.mark.slow
+def test_retiring_the_worker_of_code_that_registered_no_save_is_a_preemption(tmp_path):
+    """Code that neither registers on_preemption nor polls preempted() (nor reports): a retirement is still a
+    preemption (not counted against max_restarts=0, not named a crash); its worker is held for the grace period,
+    in which a periodic checkpoint can land, and the job resumes from the newest one."""
+    import dask
+
+    from dask_ddp.checkpoint import list_checkpoints
+
+    grace = 4.0
+    with dask.config.set({"ddp.preemption.grace-period": grace}), local_client(2) as c:
+        job = run(c, train_without_reports, 10, 0.2, workers=(1, 2), max_restarts=0, checkpoint_dir=str(tmp_path))
+        wait_until(lambda: job.checkpoint_dir and list_checkpoints(job.checkpoint_dir), 240,
+                   what="a periodic checkpoint")
+        victim = job.plan.addresses[1]
+        t0 = time.time()
+        c.retire_workers([victim])
+        out = job.result(timeout=240)
+        held = job.history[1][0] - t0  # the job restarts once the retired worker let its rank go
+        print(f"the retired worker was held {held:.1f} s (grace {grace} s); history: {job.history[1][3]}")
+        assert states(job) == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
+        cause = job.history[1][3]
+        assert cause.startswith(f"preempted: worker {victim} "), cause
+        assert "lost its worker" not in cause and "attempt 2/" not in cause, cause
+        assert "resuming from the last periodic checkpoint (step" in cause, cause
+        assert held >= grace - 1.0, f"the worker was let go after {held:.1f} s, before the {grace} s grace period"
+        assert out == [(1, 1, out[0][2])] and out[0][2] >= 1, out  # 1 rank, the 2nd attempt, from a checkpoint
+        assert leftover_processes(c) == []

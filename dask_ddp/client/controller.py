@@ -216,7 +216,8 @@ class Controller:
                 continue
             if r.address in att.lost or att.left_for_good(r.address, self.clock(), self.grace):
                 outcome = policy.lost_outcome(r, att.lost.get(r.address, time.time()),
-                                              self.silence.silent.get(r.address))
+                                              self.silence.silent.get(r.address),
+                                              retired=r.address in att.leaving and r.address not in att.lost)
                 self.cluster.cancel(fut)  # pinned to a dead worker, it would wait forever
             else:
                 outcome = self.cluster.outcome(fut, task)

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 import cloudpickle
 
 from dask_ddp.wire.errors import RankFailedError, StallError, WorkerLostError
+from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.plan import RankSpec, elastic_bounds
 
@@ -158,8 +159,20 @@ def stall_error(run_id: str, blame: StallBlame, limit: float, stacks: Mapping[in
                       stacks=dict(stacks), rank=blame.rank, worker=worker)
 
 
-def lost_outcome(r: RankSpec, when: float, silent: float | None = None) -> RankOutcome:
-    """The outcome of rank ``r`` whose worker left the cluster at ``when`` (or sent no heartbeat for ``silent`` s)."""
+def lost_outcome(r: RankSpec, when: float, silent: float | None = None, retired: bool = False) -> RankOutcome:
+    """The outcome of rank ``r`` whose worker left the cluster at ``when`` (or sent no heartbeat for ``silent`` s).
+
+    ``retired``: the scheduler retired the worker (``retire_workers``, a scale-down, ``adapt``, SIGTERM to the
+    worker) and its rank did not stop at an agreed step (its code registered no save): a preemption, whose
+    notice the outcome carries, so that the restart is not counted against ``max_restarts``.
+    """
+    if retired:
+        how = ("was retired (retire_workers, a scale-down, adapt or SIGTERM) and the job's code neither registered "
+               "on_preemption nor polls preempted(), so it could not save at an agreed step")
+        notice = Notice(when, f"worker {r.address} was retired", r.address, "leave")
+        err = WorkerLostError(f"rank {r.rank}'s worker {r.address} {how}", rank=r.rank, worker=r.address)
+        return RankOutcome(r.rank, r.address, Status.LOST, error=cloudpickle.dumps(err), message=str(err),
+                           time=when, preempt=Stopped(notice, heard=when))
     how = (f"sent the scheduler no heartbeat for {silent:.0f} s (ddp.worker-timeout): its machine or network "
            "went away, or the process is frozen" if silent is not None else
            "left the cluster while the job ran (killed, out of memory, or its machine went away)")

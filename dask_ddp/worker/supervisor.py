@@ -75,7 +75,7 @@ class Supervisor:
         self.child: RankProcess | None = None
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()
-        self.rule = StopRule(Event(task.abort_event), task.poll_interval, self._orphaned, lambda: self._notice)
+        self.rule = StopRule(Event(task.abort_event), task.poll_interval, self._orphaned, self._saving_notice)
         self.pump: OutputPump | None = None  # relays the rank's stdout and stderr
         self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
@@ -149,8 +149,12 @@ class Supervisor:
 
     @property
     def saving(self) -> bool:
-        """Whether a closing worker should wait for this rank: it runs the job's code and has not declined."""
-        return self._started and not self.declined and self.child is not None and self.child.alive()
+        """Whether a closing worker should wait for this rank: it runs the job's code and either saves at the
+        agreed step, or (its code registered no save) may still save a periodic checkpoint in the grace period
+        (the job has a ``checkpoint_dir``): the job resumes from the newest one."""
+        if not (self._started and self.child is not None and self.child.alive()):
+            return False
+        return not self.declined or self.task.checkpoint_dir is not None
 
     def _send_notice(self) -> None:
         try:
@@ -268,7 +272,7 @@ class Supervisor:
                 Event(self.task.port_variable + "-ready").set()
             case NoticeSeen(notice, can_save):
                 if not can_save:  # its code neither registered a save nor polls: nothing to wait for
-                    self._notice, self.declined = None, True
+                    self._notice, self.declined = self._notice or notice, True
                 else:
                     self._notice = self._notice or notice
             case Stacks(text):
@@ -302,6 +306,10 @@ class Supervisor:
         err = exc(message, rank=self.rank, worker=self.address)
         return RankOutcome(self.rank, self.address, status, error=cloudpickle.dumps(err), message=message,
                            preempt=self._preempt())
+
+    def _saving_notice(self) -> Notice | None:
+        """The notice the job's abort waits for: none once the rank declined it (its code saves nothing then)."""
+        return None if self.declined else self._notice
 
     def _preempt(self) -> Stopped | None:
         """What a notice did to this rank when it ended otherwise than at the agreed step."""
