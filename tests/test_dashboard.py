@@ -129,6 +129,61 @@ def test_the_page_shows_gpu_telemetry_and_the_device_it_implies():
     assert table["step_time"] == ["250.0 ms"] and table["samples_per_s"] == ["128.0"]
 
 
+# what a user or a job controls (names, worker addresses, straggler causes and messages), written to run as HTML
+HOSTILE_NAME = "<img src=x onerror=alert(1)>"
+HOSTILE_MESSAGE = "<script>alert(2)</script> rank 1 is slow <img src=y onerror=alert(3)>"
+
+
+def hostile_state(run_id: str = "xss-0a1b2c3d") -> DashboardState:
+    state = DashboardState()
+    for msg in hostile_messages(run_id):
+        assert state.feed(JOBS_TOPIC, msg)
+    return state
+
+
+def hostile_messages(run_id: str) -> list[dict]:
+    return [{"kind": "job", "run": run_id, "name": HOSTILE_NAME, "state": "RUNNING", "attempt": 0,
+             "time": time.time(), "ranks": [{"rank": 0, "worker": "<b>tcp://a:1</b>", "host": "<i>a</i>"},
+                                            {"rank": 1, "worker": "tcp://b:2", "host": "b", "device": "cpu"}]},
+            {"kind": "straggler", "run": run_id, "rank": 1, "worker": "tcp://b:2", "host": "b",
+             "cause": "<script>alert(4)</script>", "time": time.time(), "message": HOSTILE_MESSAGE}]
+
+
+def html_tags(text: str) -> set[str]:
+    """The elements a browser would make of ``text`` as HTML."""
+    from html.parser import HTMLParser
+
+    class Tags(HTMLParser):
+        found: set = set()
+
+        def handle_starttag(self, tag, attrs):
+            self.found.add(tag)
+
+    parser = Tags()
+    parser.feed(text)
+    return parser.found
+
+
+def test_the_page_shows_names_and_messages_as_text_never_as_html():
+    """The Div's HTML escapes what jobs send; the tables render their cells as text (StringFormatter), so they
+    hold it as sent."""
+    from bokeh.models import DataTable, Div, StringFormatter
+
+    from dask_ddp.dashboard.page import DDPPage
+
+    page = DDPPage(hostile_state())
+    page.update()
+    html = [div.text for div in page.root.select({"type": Div})]
+    assert any("&lt;img src=x onerror=alert(1)&gt;" in h for h in html), html
+    assert any("&lt;script&gt;alert(2)&lt;/script&gt; rank 1 is slow &lt;img" in h for h in html), html
+    assert set().union(*map(html_tags, html)) <= {"h3", "h4", "p", "small", "b"}, html
+    tables = list(page.root.select({"type": DataTable}))
+    assert tables and all(type(c.formatter) is StringFormatter for t in tables for c in t.columns)
+    assert page.jobs.data["name"] == [HOSTILE_NAME]
+    assert page.ranks.data["worker"] == ["<b>tcp://a:1</b>", "tcp://b:2"]
+    assert page.ranks.data["straggler"] == ["", "yes (<script>alert(4)</script>)"]
+
+
 def test_state_ignores_other_topics_malformed_messages_and_late_ones():
     state = DashboardState()
     assert not state.feed("all", {"action": "remove-worker"})
@@ -353,3 +408,59 @@ def test_the_ddp_page_in_a_real_browser_lists_both_ranks_with_their_step_times(c
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
     job.result(timeout=120)
+
+
+# every element of the page with an onerror attribute, every script that alerts, and all its text (each text
+# node), shadow roots included
+PAGE_ELEMENTS = """
+function found(root) {
+  let out = {elements: [], text: []};
+  for (const el of root.querySelectorAll('*')) {
+    if (el.shadowRoot) {
+      const inner = found(el.shadowRoot);
+      out.elements.push(...inner.elements);
+      out.text.push(...inner.text);
+    }
+    if (el.hasAttribute('onerror') || (el.tagName === 'SCRIPT' && el.textContent.includes('alert'))) {
+      out.elements.push(el.outerHTML);
+    }
+    for (const node of el.childNodes) if (node.nodeType === Node.TEXT_NODE) out.text.push(node.data);
+  }
+  return out;
+}
+const all = found(document);
+return {elements: all.elements, text: all.text.join('\\n')};
+"""
+
+
+@pytest.mark.slow
+def test_a_job_named_like_html_shows_as_text_in_a_real_browser(client):
+    """A job's name, its ranks' workers, a straggler's cause and message, sent as the controller sends them
+    (``dask-ddp-jobs``), show as the text they are: no element of theirs in the DOM, nothing of theirs runs (no
+    alert)."""
+    from dask_ddp.dashboard import install
+
+    driver, profile = _browser()
+    run_id = "xss-1a2b3c4d"
+    try:
+        assert install(client)
+        for msg in hostile_messages(run_id):
+            client.log_event(JOBS_TOPIC, msg)
+        wait_until(lambda: client.run_on_scheduler(lambda dask_scheduler: run_id in getattr(
+            dask_scheduler.plugins[NAME].state, "jobs", {})), timeout=30, what="the messages at the scheduler")
+        # alert() records its calls instead of opening a dialog (which would fail every later call of the driver)
+        driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {
+            "source": "window.alerts = []; window.alert = (m) => window.alerts.push(String(m));"})
+        driver.get(base_url(client) + "/ddp")
+        page = wait_until(lambda: (lambda p: "rank 1 is slow" in p["text"] and "tcp://b:2" in p["text"] and p)(
+            driver.execute_script(PAGE_ELEMENTS)), timeout=90, what="the DDP page with the job's heading and ranks")
+        time.sleep(1)  # an img's onerror runs once its (missing) source failed to load
+        assert driver.execute_script("return window.alerts") == [], "the page ran a job's text as HTML"
+        for shown in (HOSTILE_NAME, HOSTILE_MESSAGE, "<b>tcp://a:1</b>", "yes (<script>alert(4)</script>)"):
+            assert shown in page["text"], (shown, page["text"][-2000:])
+        assert page["elements"] == []
+        assert driver.title == "Dask: DDP"
+    finally:
+        client.log_event(JOBS_TOPIC, hostile_messages(run_id)[0] | {"state": "FINISHED", "time": time.time()})
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)

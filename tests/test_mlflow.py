@@ -1,8 +1,9 @@
 """MLflowSink against a real local MLflow tracking store (a folder), read back through MLflow's own client.
 
 Real parts: a 2-rank gloo job on the module's LocalCluster that fails once and restarts (max_restarts=1), the
-sink as its callback on the client, MLflow's file store in a temporary folder. Skipped only without MLflow
-(``pip install 'dask-ddp[mlflow]'``; the test extra brings it).
+sink as its callback on the client, MLflow's file store in a temporary folder (one test of metric names uses a
+stand-in for MLflow's client instead). Skipped only without MLflow (``pip install 'dask-ddp[mlflow]'``; the test
+extra brings it).
 """
 
 from __future__ import annotations
@@ -85,3 +86,52 @@ def test_a_cancelled_job_ends_its_mlflow_run_killed(client, store):
     assert found.info.status == "KILLED"
     assert len(reader.get_metric_history(found.info.run_id, "loss/rank0")) == len(
         job.metrics[job.metrics["rank"] == 0])
+
+
+KEY, SECRET = "AKIAEXAMPLE", "SECRETKEY"
+URL = f"s3://{KEY}:{SECRET}@bucket/x"
+
+
+def read_data(data, storage_options, loaders=()):
+    """What a training function over S3 takes: a URL and its storage options (reports once, opens nothing)."""
+    dask_ddp.report(loss=1.0)
+    return dask_ddp.get_context().rank
+
+
+@pytest.mark.slow
+def test_credentials_in_a_jobs_arguments_and_options_never_reach_mlflow(client, store):
+    """Through the masking the logs use (dask_ddp.data.storage): URL userinfo, secret-looking options (in dicts,
+    in lists), a secret-looking argument, and each such value wherever else it appears."""
+    options = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    sink = dask_ddp.MLflowSink(store, experiment="secrets", params={"source": URL, "token": "tok-12345"},
+                               tags={"data": URL})
+    job = run(client, read_data, URL, storage_options=options, loaders=[{"password": SECRET}], callbacks=[sink],
+              checkpoint_dir=f"s3://{KEY}:{SECRET}@bucket/ckpt", checkpoint_options={"key": KEY, "secret": SECRET},
+              name="secrets")
+    assert job.result(timeout=300) == [0, 1]
+
+    reader = mlflow.MlflowClient(tracking_uri=store)
+    (found,) = reader.search_runs([reader.get_experiment_by_name("secrets").experiment_id])
+    logged = {**found.data.params, **found.data.tags, "run name": found.info.run_name}
+    assert not [(k, v) for k, v in logged.items() if KEY in v or SECRET in v or "12345" in v], logged
+    assert found.data.params["arg0"] == "s3://***@bucket/x" and found.data.params["source"] == "s3://***@bucket/x"
+    assert found.data.params["storage_options"] == repr(
+        {"key": "***", "secret": "***", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}})
+    assert (found.data.params["token"], found.data.tags["data"]) == ("***", "s3://***@bucket/x")
+    assert found.data.params["loaders"] == "[{'password': '***'}]"
+    assert found.data.params["name"] == "secrets"
+
+
+def test_a_metric_named_with_credentials_is_sent_masked():
+    """No tracking server: the sink's MLflow client is a stand-in that keeps what it is given."""
+    class Keeper:
+        def __init__(self):
+            self.metrics = []
+
+        def log_batch(self, run_id, metrics=()):
+            self.metrics.extend(metrics)
+
+    sink = dask_ddp.MLflowSink(flush_interval=0)
+    sink._client, sink.run_id = Keeper(), "run"
+    sink.on_metrics({"kind": "metric", "rank": 1, "step": 2, "time": time.time(), f"read {URL}": 1.0, "loss": 0.5})
+    assert sorted(m.key for m in sink._client.metrics) == ["loss/rank1", "read s3://***@bucket/x/rank1"]

@@ -10,6 +10,10 @@ application to a running server, so this does what ``BokehTornado.__init__`` doe
 ``add_handlers``; ``tests/test_dashboard.py`` checks it (last with bokeh 3.9.2 and distributed 2026.7.1).
 A scheduler without a dashboard (no bokeh, ``dashboard_address=None``)
 gets no page; its ``/metrics`` still has the gauges.
+
+What jobs send (names, worker addresses, straggler causes and messages) shows as text, never as HTML: the
+tables' cells through Bokeh's ``StringFormatter`` (text nodes; never an ``HTMLTemplateFormatter``), the
+Divs' HTML through :func:`html.escape`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import time
 from datetime import datetime
+from html import escape
 
 from bokeh.layouts import column
 from bokeh.models import ColumnDataSource, DataTable, Div, TableColumn
@@ -147,11 +152,12 @@ class DDPPage:
 
 
 def _detail(job: JobView) -> str:
-    text = (f"<h4>{job.name} <small>({job.run})</small>: {job.state}, attempt {job.attempt + 1}, "
-            f"{len(job.ranks)} ranks</h4>")
+    """The selected job's heading as HTML (a Div's text is HTML): every text from a job or rank escaped."""
+    text = (f"<h4>{escape(job.name)} <small>({escape(job.run)})</small>: {escape(job.state)}, "
+            f"attempt {job.attempt + 1}, {len(job.ranks)} ranks</h4>")
     if job.stragglers:
         last = job.stragglers[-1]
-        text += f"<p><b>Straggler:</b> {last.get('message') or ''}</p>"
+        text += f"<p><b>Straggler:</b> {escape(str(last.get('message') or ''))}</p>"
     return text
 
 

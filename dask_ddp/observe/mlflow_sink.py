@@ -16,17 +16,25 @@ FAILED, or KILLED for a cancelled job). Parameters are logged once: the training
 report's step and time (TensorBoardSink's names); metrics are sent in batches of up to 1,000 every
 ``flush_interval`` seconds and at the end. A failing tracking server is logged by the job, which disables
 the sink and trains on.
+
+No credential reaches the tracking server, by the rules the logs follow (:func:`dask_ddp.data.storage.redact`):
+a parameter or tag whose name looks secret (``key``, ``secret``, ``token``, ``password``, ...) is logged as
+``***``, so is such an entry of a dict (``storage_options={"key": ..., "secret": ...}``, at any depth, in lists
+too), each of those values wherever else it appears, and the userinfo of URLs (``s3://KEY:SECRET@bucket/x``
+becomes ``s3://***@bucket/x``); the run's name and metric names too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import cloudpickle
 
-from dask_ddp.data.storage import redact
+from dask_ddp.data.storage import masked, redact
 from dask_ddp.observe.sinks import LEAD
 
 __all__ = ["MLflowSink"]
@@ -35,19 +43,54 @@ MAX_BATCH = 1000  # metrics per log_batch call: MLflow's limit
 MAX_PARAM = 500  # characters of a parameter's value: the smallest limit of MLflow's stores
 
 
-def _param_text(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= MAX_PARAM else text[:MAX_PARAM - 3] + "..."
+def _cut(text: str, limit: int | None) -> str:
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
 
 
-def job_params(job) -> dict[str, str]:
-    """The parameters of ``job`` as MLflow takes them: the function's arguments and the job's settings."""
+def _mappings(value: Any, found: list, depth: int = 0) -> list:
+    """Every dict in ``value`` (itself, in lists, tuples, sets, dataclasses, nested): where secrets are named."""
+    if depth > 8:
+        return found
+    if isinstance(value, Mapping):
+        found.append(value)
+        inner = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        inner = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object: its repr shows all
+        inner = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return found
+    for v in inner:
+        _mappings(v, found, depth + 1)
+    return found
+
+
+def shown(values: Mapping, limit: int | None = MAX_PARAM) -> dict[str, str]:
+    """``values`` (parameters or tags) as text for MLflow, masked as the logs are.
+
+    Secret-looking names give ``***`` (:func:`~dask_ddp.data.storage.masked`); every value of a secret-looking
+    name in any dict within them, and the userinfo of URLs, are masked wherever they appear
+    (:func:`~dask_ddp.data.storage.redact`); then each text is cut to ``limit`` characters (never before: a
+    secret cut in two would no longer be found).
+    """
+    secrets = {str(i): m for i, m in enumerate(_mappings(dict(values), []))}  # where redact finds secret values
+    return {str(k)[:250]: _cut(redact(v if isinstance(v, str) else repr(v), secrets), limit)
+            for k, v in masked(values).items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def _metric_name(key: str, rank: int) -> str:
+    return redact(f"{key}/rank{rank}")
+
+
+def _job_values(job) -> dict[str, Any]:
+    """The parameters of ``job`` as given, unmasked (:func:`shown` masks them): the function's arguments and
+    the job's settings."""
     spec = job.spec
     _, args, kwargs = cloudpickle.loads(spec.call)
     params = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
-    params |= {"world_size": spec.first_plan.world_size, "backend": spec.backend,
-               "max_restarts": spec.max_restarts, "name": spec.name or spec.fn_name}
-    return {str(k)[:250]: _param_text(v) for k, v in params.items()}
+    return params | {"world_size": spec.first_plan.world_size, "backend": spec.backend,
+                     "max_restarts": spec.max_restarts, "name": spec.name or spec.fn_name}
 
 
 class MLflowSink:
@@ -106,10 +149,10 @@ class MLflowSink:
             found = self._client.get_experiment_by_name(self.experiment)
             experiment_id = found.experiment_id if found else self._client.create_experiment(self.experiment)
             name = self.run_name or getattr(job, "name", None)
-            tags = self.tags | ({"dask_ddp.run_id": job.run_id} if job is not None else {})
-            self.run_id = self._client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
-            params = (job_params(job) if job is not None else {}) | {k: _param_text(v) for k, v in self.params.items()}
-            self._log_params(params)
+            tags = shown(self.tags, limit=None) | ({"dask_ddp.run_id": job.run_id} if job is not None else {})
+            self.run_id = self._client.create_run(experiment_id, tags=tags,
+                                                  run_name=None if name is None else redact(name)).info.run_id
+            self._log_params(shown((_job_values(job) if job is not None else {}) | self.params))
 
     def on_metrics(self, event: dict) -> None:
         """Queue one metric per reported number of ``event`` (``<key>/rank<r>``); send them when a flush is due."""
@@ -121,7 +164,7 @@ class MLflowSink:
             for key, value in event.items():
                 if key in LEAD or key == "kind" or isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
-                self._pending.append(Metric(f"{key}/rank{rank}", float(value), stamp, step))
+                self._pending.append(Metric(_metric_name(key, rank), float(value), stamp, step))
             if time.monotonic() - self._last_flush >= self.flush_interval:
                 self._flush()
 
