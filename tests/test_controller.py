@@ -65,7 +65,7 @@ class FakeCluster:
         for f in futures:
             f.released = True
 
-    def abort(self, task):
+    def abort(self, task, cancel=False):
         self.aborted.append(task.attempt_id)
 
     def cleanup(self, task):

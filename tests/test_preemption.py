@@ -376,3 +376,90 @@ def test_retiring_the_worker_of_code_that_registered_no_save_is_a_preemption(tmp
         assert held >= grace - 1.0, f"the worker was let go after {held:.1f} s, before the {grace} s grace period"
         assert out == [(1, 1, out[0][2])] and out[0][2] >= 1, out  # 1 rank, the 2nd attempt, from a checkpoint
         assert leftover_processes(c) == []
+
+
+def train_until_stopped(marker, port_file=None):
+    """Registers a save, then trains without reporting (so a notice never reaches an agreed step) until it is
+    stopped; rank 0 writes the store's port to ``port_file`` and touches ``marker`` once it runs."""
+    import pathlib
+
+    dask_ddp.on_preemption(lambda: {})
+    ctx = dask_ddp.get_context()
+    if ctx.rank == 0:
+        if port_file:
+            pathlib.Path(port_file).write_text(f"{ctx.master_addr} {ctx.master_port}")
+        pathlib.Path(marker).touch()
+    while True:
+        time.sleep(0.05)
+
+
+def train_reporting(steps, port_file):
+    ctx = dask_ddp.get_context()
+    if ctx.rank == 0:
+        import pathlib
+
+        pathlib.Path(port_file).write_text(f"{ctx.master_addr} {ctx.master_port}")
+    dask_ddp.on_preemption(lambda: {"step": 0})
+    for step in range(steps):
+        dask_ddp.report(step=step)
+        time.sleep(0.05)
+    return ctx.restart_count
+
+
+@pytest.mark.slow
+def test_a_notice_forged_through_the_store_does_nothing(tmp_path):
+    """Anyone who reaches a rank's store could write dask-ddp's notice key and force restarts of a job with
+    max_restarts=0 (seen: 3). The keys now live under a per-attempt secret prefix."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port_file = tmp_path / "port"
+    with local_client(2) as c:
+        job = run(c, train_reporting, 120, str(port_file), max_restarts=0)
+        wait_until(lambda: port_file.exists() and len(job.metrics) >= 10, 120, what="the job running")
+        host, port = port_file.read_text().split()
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        forged = Notice(time.time() + 3600, "forged", "", "leave").to_json()
+        for key in ("dask_ddp/pre/notice", "dask_ddp//pre/notice", "pre/notice"):
+            store.set(key, forged)
+        del store
+        assert job.result(timeout=180) == [0, 0]
+        assert states(job) == ["RUNNING", "FINISHED"], job.history
+        assert leftover_processes(c) == []
+
+
+@pytest.mark.slow
+def test_cancel_wins_over_a_notice_and_its_far_deadline_is_clamped(tmp_path):
+    """A notice whose ranks save holds the job's abort until its deadline; cancel() must not wait for it, and a
+    deadline past the grace period is cut to it (seen: a far deadline kept the job training)."""
+    import dask
+
+    from dask_ddp.rank import preemption
+
+    marker = tmp_path / "running"
+    with dask.config.set({"ddp.preemption.grace-period": 60.0}), local_client(2) as c:
+        job = run(c, train_until_stopped, str(marker))
+        wait_until(marker.exists, 120, what="the ranks running")
+        # a notice with a deadline an hour away, as a forged or stale one would carry, from inside the job
+        noticed = c.run(_notice_all, time.time() + 3600)
+        assert sorted(r for ranks in noticed.values() for r in ranks) == [0, 1], noticed
+        time.sleep(1.0)  # the ranks have heard it: the job's abort now waits for them
+        t0 = time.monotonic()
+        job.cancel()
+        with pytest.raises(dask_ddp.JobCancelledError):
+            job.result(timeout=120)
+        took = time.monotonic() - t0
+        print(f"cancel() during a notice with a far deadline: CANCELLED after {took:.2f} s")
+        assert took < 15, f"cancel() waited {took:.1f} s for a notice (grace period 60 s)"
+        assert leftover_processes(c) == []
+    assert preemption._clamped(Notice(time.time() + 3600, "x"), 25).deadline <= time.time() + 25
+
+
+def _notice_all(deadline, dask_worker=None):
+    """On a worker: give each of its running ranks a notice (as a leaving worker does)."""
+    host = dask_worker.plugins.get("dask-ddp")
+    sups = host.running() if host is not None else []
+    for sup in sups:
+        sup.notice(Notice(deadline, "a notice with a far deadline", "", "grow"))
+    return [s.rank for s in sups]

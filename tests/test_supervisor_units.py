@@ -78,7 +78,9 @@ class Flag:
 def rule(poll=1.0, orphaned=False, notice=None):
     now = [100.0]
     flag = Flag()
-    r = StopRule(flag, poll, lambda: orphaned, lambda: notice, clock=lambda: now[0])
+    cancel = Flag()
+    r = StopRule(flag, cancel, poll, lambda: orphaned, lambda: notice, clock=lambda: now[0])
+    r.cancel_flag = cancel
     return r, flag, now
 
 
@@ -100,15 +102,20 @@ def test_a_stop_wins_at_once_and_names_its_reason():
     assert r.stopping_within(0)
 
 
-def test_an_orphaned_rank_stops_and_stops_the_others():
+def test_an_orphaned_rank_stops_and_stops_the_others_even_during_a_preemption():
     r, flag, _ = rule(orphaned=True)
     assert r.aborted() and r.reason == ORPHANED and flag.value
+    r, flag, _ = rule(orphaned=True, notice=Notice(time.time() + 60, "leaving"))
+    assert r.aborted() and r.reason == ORPHANED
 
 
-def test_a_preemption_in_progress_holds_the_abort_until_its_deadline():
+def test_a_preemption_in_progress_holds_the_abort_until_its_deadline_but_not_a_cancel():
     r, flag, now = rule(notice=Notice(time.time() + 60, "leaving"))
     flag.value = True
     assert not r.aborted() and flag.reads == 0
+    now[0] += 1.1
+    r.cancel_flag.value = True  # cancel() sets both flags
+    assert r.aborted()
     r2, flag2, _ = rule(notice=Notice(time.time() - 2, "leaving"))
     flag2.value = True
     assert r2.aborted()
@@ -123,7 +130,7 @@ def test_an_unreachable_scheduler_counts_as_set():
 
 def test_stopping_within_waits_for_the_flag():
     flag = Flag()
-    r = StopRule(flag, 1.0, lambda: False, lambda: None)
+    r = StopRule(flag, Flag(), 1.0, lambda: False, lambda: None)
     assert not r.stopping_within(0.15)
     threading.Timer(0.1, lambda: setattr(flag, "value", True)).start()
     assert r.stopping_within(5)

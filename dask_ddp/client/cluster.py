@@ -104,9 +104,12 @@ class DaskCluster:
         for fut in futures:
             fut.release()
 
-    def abort(self, task: RankTask) -> None:
-        """Set the attempt's abort flag: every supervisor of the attempt stops its rank within a poll interval."""
+    def abort(self, task: RankTask, cancel: bool = False) -> None:
+        """Set the attempt's abort flag: every supervisor of the attempt stops its rank within a poll interval;
+        ``cancel``: the job's cancel() flag too, which also stops ranks that save for a preemption notice."""
         try:
+            if cancel:
+                Event(task.cancel_event, client=self.client).set()
             Event(task.abort_event, client=self.client).set()
         except Exception:  # noqa: BLE001 - the client may be closing; the tasks then fail on their own
             logger.warning("dask-ddp could not set the abort flag of %s", task.attempt_id)

@@ -92,7 +92,7 @@ class Controller:
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
-        self.grace = grace_period()
+        self.grace, self.max_preemptions = grace_period(), int(dask.config.get("ddp.preemption.max-restarts", 100))
         bounds = planning.elastic_bounds(spec.workers)
         self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
         self._next_grow = 0.0
@@ -139,7 +139,7 @@ class Controller:
     def cancel(self) -> None:
         """Ask every rank to stop; the job ends CANCELLED once they have."""
         self.cancel_requested = True
-        self._abort("cancel() was called")
+        self._abort("cancel() was called", cancel=True)
 
     # ---- events --------------------------------------------------------------------------------------------
     def _deliver(self, messages: list[dict]) -> None:
@@ -195,7 +195,7 @@ class Controller:
         self._transition("RUNNING", f"attempt {index + 1}: {plan.world_size} ranks on "
                                     f"{', '.join(plan.addresses)}, master {plan.master_addr}")
         if self.cancel_requested:
-            self._abort("cancel() was called")
+            self._abort("cancel() was called", cancel=True)
 
     def _check_ranks(self) -> None:
         att = self.attempt
@@ -309,11 +309,15 @@ class Controller:
         decision = policy.decide(outcomes, cancelled=self.cancel_requested, attempt=att.index - self.preemptions,
                                  max_restarts=self.spec.max_restarts)
         pre = elastic.preemption(outcomes)
+        capped = None
         if pre is not None and decision.action != Action.FINISH and not self.cancel_requested:
-            decision = self._after_preemption(pre)
+            capped = elastic.over_cap(self.preemptions, self.max_preemptions, self.run_id)
+            decision = self._after_preemption(pre) if capped is None else policy.Decision(Action.FAIL, str(capped))
         self.cluster.release(att.futures)
         self.cluster.cleanup(att.tasks[0])
-        if decision.action == Action.FINISH:
+        if capped is not None:
+            self._end("FAILED", capped, decision.reason)
+        elif decision.action == Action.FINISH:
             values = [cloudpickle.loads(att.outcomes[r].value) for r in sorted(att.outcomes)]
             self._end("FINISHED", None, decision.reason, values)
         elif self.cancel_requested:
@@ -376,10 +380,10 @@ class Controller:
         return {a: info for a, info in self.cluster.workers().items() if info.get("status", "running") == "running"}
 
     # ---- acting --------------------------------------------------------------------------------------------
-    def _abort(self, cause: str) -> None:
+    def _abort(self, cause: str, cancel: bool = False) -> None:
         if self.attempt is None or self.phase not in (Phase.RUNNING, Phase.NEW):
             return
-        self.cluster.abort(self.attempt.tasks[0])
+        self.cluster.abort(self.attempt.tasks[0], cancel=cancel)
         logger.info("job %s: stopping every rank of attempt %d: %s", self.run_id, self.attempt.index + 1, cause)
 
     def _cancelled(self, cause: str) -> None:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dask_ddp.wire.errors import DaskDDPError
 from dask_ddp.wire.notices import Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 
-__all__ = ["preemption", "reason", "grow_by", "last_checkpoint_step"]
+__all__ = ["preemption", "reason", "grow_by", "last_checkpoint_step", "over_cap"]
 
 
 def preemption(outcomes: Sequence[RankOutcome]) -> Stopped | None:
@@ -58,6 +59,17 @@ def reason(p: Stopped, top_step: int, fallback_step: int | None, grace: float) -
            f"the save at step {p.step} was not committed")
     return (f"{head}; {why} within the {grace:g} s grace period (ddp.preemption.grace-period): {where}; "
             f"{lost} steps lost")
+
+
+def over_cap(preemptions: int, cap: int, run_id: str) -> DaskDDPError | None:
+    """The error that ends a job preempted ``preemptions`` times already when ``cap``
+    (``ddp.preemption.max-restarts``) allows no more, else None: notices restart a job without counting against
+    ``max_restarts``, so a source of endless notices must not keep it restarting for ever."""
+    if preemptions < cap:
+        return None
+    return DaskDDPError(f"job {run_id} was preempted {preemptions} times, the most ddp.preemption.max-restarts "
+                        f"({cap}) allows: it was stopped instead of restarting again. Find what keeps retiring its "
+                        "workers (autoscaler, spot reclaims) or raise the setting")
 
 
 def grow_by(bounds: tuple[int, int | None], world_size: int, idle_workers: int) -> int:

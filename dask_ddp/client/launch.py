@@ -11,6 +11,8 @@ it about the same CPU whatever its size, so a job's batch rate is bounded
 
 from __future__ import annotations
 
+import secrets
+
 from dask_ddp.wire.plan import RankPlan
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.wire.task import RankTask
@@ -98,7 +100,9 @@ def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> l
         via, hub_interval = hubs[rank]
         return {"flush_interval": spec.flush_interval, "via": via, "hub_interval": hub_interval}
 
-    return [RankTask(run_id=run_id, attempt=attempt, rank=r, master_addr=plan.master_addr, backend=spec.backend,
+    secret = secrets.token_hex(16)  # the attempt's store keys: see RankTask.secret
+    return [RankTask(run_id=run_id, attempt=attempt, secret=secret, rank=r, master_addr=plan.master_addr,
+                     backend=spec.backend,
                      call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
                      spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval, **events(r.rank),
                      telemetry_interval=spec.telemetry_interval, max_restarts=spec.max_restarts,

@@ -132,7 +132,7 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         return fn(*args, **kwargs)
 
     message = outcome(call, spec.rank, spec.address,
-                      finish=lambda: finish(joined[0].store, spec.rank, spec.world_size))
+                      finish=lambda: finish(joined[0].keys, spec.rank, spec.world_size))
     flusher.stop()
     chan.send(message)
     if dist.is_initialized():

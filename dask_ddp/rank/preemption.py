@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -124,8 +125,11 @@ def can_save() -> bool:
 
 # ---- the rank process's side -------------------------------------------------------------------------
 def start(store, master_addr: str, port: int, rank: int, world_size: int, send: Callable, grace: float,
-          worker: str = "") -> None:
-    """Set up this rank (in its main thread): the SIGTERM handler and the watcher of the store's notice key."""
+          worker: str = "", prefix: str = "") -> None:
+    """Set up this rank (in its main thread): the SIGTERM handler and the watcher of the store's notice key.
+
+    ``store``: the job's store under the attempt's secret ``prefix`` (the watcher opens its own connection to
+    ``master_addr:port`` and uses the same prefix)."""
     global _RANK
     _RANK = _Rank(store, rank, world_size, send, grace)
     owner = os.getpid()
@@ -140,17 +144,20 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
 
     signal.signal(signal.SIGTERM, on_sigterm)
     global _WATCHER
-    _WATCHER = threading.Thread(target=_watch, args=(master_addr, port), name="dask-ddp-notice", daemon=True)
+    _WATCHER = threading.Thread(target=_watch, args=(master_addr, port, prefix), name="dask-ddp-notice",
+                                daemon=True)
     _WATCHER.start()
     if _EARLY is not None:
         announce(_EARLY)
 
 
-def _watch(master_addr: str, port: int) -> None:
+def _watch(master_addr: str, port: int, prefix: str = "") -> None:
     import torch.distributed as dist
 
     try:
         own = dist.TCPStore(master_addr, port, is_master=False, timeout=_FOREVER)
+        if prefix:
+            own = dist.PrefixStore(prefix, own)
         own.wait([KEY + "notice"], _FOREVER)
         value = own.get(KEY + "notice").decode()
         if value == END:
@@ -189,6 +196,7 @@ def announce(note: Notice, thread: bool = False) -> None:
     if _RANK is None:  # before the process group exists: kept for start()
         _EARLY = note
         return
+    note = _clamped(note, _RANK.grace)
     try:
         _RANK.store.compare_set(KEY + "notice", "", note.to_json())  # the first notice wins
     except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
@@ -196,9 +204,17 @@ def announce(note: Notice, thread: bool = False) -> None:
     _heard(note)
 
 
+def _clamped(note: Notice, grace: float) -> Notice:
+    """``note`` with its deadline no later than ``grace`` seconds from now: whoever wrote it, a notice never
+    holds a job longer than the grace period (a far deadline would keep cancel() and a dead client waiting)."""
+    latest = time.time() + grace
+    return note if note.deadline <= latest else replace(note, deadline=latest)
+
+
 def _heard(note: Notice) -> None:
     global _PENDING
     st = _RANK
+    note = _clamped(note, st.grace)
     with st.lock:
         if st.notice is not None:
             return

@@ -32,7 +32,8 @@ __all__ = ["Joined", "rendezvous", "open_store", "join", "finish"]
 class Joined:
     """What the rendezvous gives the rank: its store (rank 0 hosts it) and its placement."""
 
-    store: Any
+    store: Any  # the rendezvous store itself (the process group's keys; rank 0 hosts it)
+    keys: Any  # the same store under the attempt's secret prefix: dask-ddp's own keys
     backend: str
     device: Any
     device_ids: list | None
@@ -54,22 +55,23 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
     spec = task.rank
     pinned = network.pin_interfaces(spec.host)
     store = open_store(send, task, master_port)
+    keys = dist.PrefixStore(task.store_prefix, store)
     if spec.rank == 0 and pinned:  # worth a line in the notebook only where the interface matters: across hosts
         logging.getLogger("dask_ddp").log(
             logging.INFO if spec.num_nodes > 1 else logging.DEBUG,
             "collectives use interface %s (the worker's address %s); set %s to choose another",
             next(iter(pinned.values())), spec.host, " / ".join(pinned))
-    backend, device, device_ids = devices.place(store, spec.rank, spec.world_size, spec.address, task.backend,
+    backend, device, device_ids = devices.place(keys, spec.rank, spec.world_size, spec.address, task.backend,
                                                 spec.local_rank, spec.local_world_size)
     if sampler is not None:
         sampler.device = device
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=timedelta(seconds=task.timeout),
                             device_id=device if backend == "nccl" else None)  # nccl: collectives on it
-    join(store, spec.world_size)
-    preemption.start(store, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
-                     preemption.grace_period(), spec.address)
-    return Joined(store, backend, device, device_ids)
+    join(keys, spec.world_size)
+    preemption.start(keys, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
+                     preemption.grace_period(), spec.address, prefix=task.store_prefix)
+    return Joined(store, keys, backend, device, device_ids)
 
 
 def open_store(send: Callable, task: RankTask, master_port: int | None):

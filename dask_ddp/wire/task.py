@@ -46,6 +46,9 @@ class RankTask:
     # a job that may restart keeps its workers' next spares warm while it runs: a restart then starts at once
     # (a job that cannot restart starts them when it ends, so that they never compete with training)
     spare_early: bool = False
+    # the attempt's store keys live under dask_ddp/<secret>/: only its ranks (and supervisors) know them, so a
+    # process that can reach the store cannot forge a preemption notice (see :attr:`store_prefix`)
+    secret: str = field(default="", repr=False)
 
     @property
     def attempt_id(self) -> str:
@@ -60,6 +63,16 @@ class RankTask:
     def abort_event(self) -> str:
         """Name of the Dask ``Event`` that stops every rank of the attempt."""
         return f"dask-ddp-abort-{self.attempt_id}"
+
+    @property
+    def cancel_event(self) -> str:
+        """Name of the Dask ``Event`` set (with :attr:`abort_event`) by ``cancel()``: it wins over a notice."""
+        return f"dask-ddp-cancel-{self.attempt_id}"
+
+    @property
+    def store_prefix(self) -> str:
+        """The prefix of every rendezvous-store key of dask-ddp's own (joins, devices, preemption notices)."""
+        return f"dask_ddp/{self.secret}/"
 
     @property
     def port_variable(self) -> str:

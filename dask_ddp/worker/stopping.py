@@ -6,9 +6,11 @@ A rank stops when its job's abort flag (a Dask ``Event`` on the scheduler) is
 set, when its worker stops it (:meth:`StopRule.stop`: the worker closes), or
 when nobody wants its task any more (its client released it: closed,
 disconnected or died). While a preemption notice's deadline has not passed, the
-job's abort waits: the ranks are saving. The flag lives on the scheduler, so it
-is read at most once per ``poll_interval``; an unreachable scheduler counts as
-set (a lone rank cannot finish a job).
+job's abort waits: the ranks are saving. Two things win over a notice: the
+job's ``cancel()`` (its own flag, set with the abort flag) and a client that
+went away. The flags live on the scheduler, so they are read at most once per
+``poll_interval``; an unreachable scheduler counts as set (a lone rank cannot
+finish a job).
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ ORPHANED = ("stopped because the job's client went away (closed, disconnected or
 class StopRule:
     """Whether one rank should stop now, and the reason it stopped (:attr:`reason`; None: not told to).
 
-    ``abort``: the attempt's abort flag (``is_set()``, ``set()``); ``orphaned()``: whether the rank's task is
-    unwanted; ``notice()``: the preemption notice the rank knows of, or None.
+    ``abort``: the attempt's abort flag (``is_set()``, ``set()``); ``cancel``: the flag ``cancel()`` sets too
+    (``is_set()``); ``orphaned()``: whether the rank's task is unwanted; ``notice()``: the preemption notice the
+    rank saves for, or None.
     """
 
-    def __init__(self, abort, poll_interval: float, orphaned: Callable[[], bool],
+    def __init__(self, abort, cancel, poll_interval: float, orphaned: Callable[[], bool],
                  notice: Callable[[], Notice | None], clock: Callable[[], float] = time.monotonic):
-        self.abort, self.poll_interval = abort, poll_interval
+        self.abort, self.cancel, self.poll_interval = abort, cancel, poll_interval
         self._orphaned, self._notice, self._clock = orphaned, notice, clock
         self.reason: str | None = None
         self.abort_seen = False
@@ -48,9 +51,6 @@ class StopRule:
         """Whether the rank should stop now (reads the scheduler's flag at most once per ``poll_interval``)."""
         if self.reason is not None:
             return True
-        notice = self._notice()
-        if notice is not None and time.time() < notice.deadline + 1:
-            return False  # the ranks save for a preemption: the job's abort (its worker left) waits for them
         now = self._clock()
         if now - self._last_check < self.poll_interval:
             return False
@@ -59,7 +59,12 @@ class StopRule:
             self.reason = ORPHANED
             self.set_abort()
             return True
-        self.abort_seen = self.flag()
+        notice = self._notice()
+        if notice is not None and time.time() < notice.deadline + 1:
+            # the ranks save for a preemption: the job's abort (its worker left) waits for them; cancel() does not
+            self.abort_seen = self.flag(self.cancel)
+        else:
+            self.abort_seen = self.flag()
         return self.abort_seen
 
     def stopping_within(self, wait: float) -> bool:
@@ -72,10 +77,10 @@ class StopRule:
             time.sleep(0.1)
         return True
 
-    def flag(self) -> bool:
-        """The job's abort flag; an unreachable scheduler counts as set."""
+    def flag(self, which=None) -> bool:
+        """The job's abort flag (or ``which``); an unreachable scheduler counts as set."""
         try:
-            return bool(self.abort.is_set())
+            return bool((which or self.abort).is_set())
         except Exception:  # noqa: BLE001 - scheduler unreachable
             return True
 

@@ -75,7 +75,8 @@ class Supervisor:
         self.child: RankProcess | None = None
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()
-        self.rule = StopRule(Event(task.abort_event), task.poll_interval, self._orphaned, self._saving_notice)
+        self.rule = StopRule(Event(task.abort_event), Event(task.cancel_event), task.poll_interval, self._orphaned,
+                             self._saving_notice)
         self.pump: OutputPump | None = None  # relays the rank's stdout and stderr
         self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
@@ -343,15 +344,16 @@ def forget_attempt(task: RankTask, client=None) -> None:
     """
     try:
         client = client or get_worker().client
-        client.run_on_scheduler(_forget_on_scheduler, task.abort_event, task.port_variable)
+        client.run_on_scheduler(_forget_on_scheduler, task.abort_event, task.port_variable, task.cancel_event)
     except Exception:  # noqa: BLE001 - the scheduler may be gone; its state went with it
         pass
 
 
-async def _forget_on_scheduler(abort_event: str, port_variable: str, dask_scheduler=None) -> None:
+async def _forget_on_scheduler(abort_event: str, port_variable: str, cancel_event: str = "",
+                               dask_scheduler=None) -> None:
     """On the scheduler: delete the port Variable and both Events, then the topic the delete logged under."""
     events = dask_scheduler.extensions["events"]
-    for name in (abort_event, port_variable + "-ready"):
+    for name in (abort_event, port_variable + "-ready", *([cancel_event] if cancel_event else [])):
         events.event_clear(name=name)  # a cleared Event nobody waits on is deleted
     await dask_scheduler.extensions["variables"].delete(name=port_variable)
     drop_topic(f"variable-{port_variable}", dask_scheduler=dask_scheduler)
