@@ -93,7 +93,8 @@ def test_help_explains_itself():
         assert text in top.stdout
     run = run_cli("run", "--help", timeout=60)
     assert run.returncode == 0
-    for text in ("torchrun", "RANK", "MASTER_PORT", "--scheduler", "--workers", "examples:", "cuda:LOCAL_RANK"):
+    for text in ("torchrun", "RANK", "MASTER_PORT", "--scheduler", "--workers", "examples:", "cuda:LOCAL_RANK",
+                 "--ship-limit", "the rank's working directory"):
         assert text in run.stdout
     demo = run_cli("demo", "--help", timeout=60)
     assert demo.returncode == 0 and "--epochs" in demo.stdout and "examples:" in demo.stdout
@@ -285,6 +286,143 @@ def test_max_restarts(cluster, tmp_path):
     out = run_cli("run", "--scheduler", address, "--workers", "2", "--max-restarts", "1", script)
     assert out.returncode == 0, out.stderr
     assert "[rank 0, attempt 2] attempt 1 ok" in out.stdout and "[rank 1, attempt 2] attempt 1 ok" in out.stdout
+
+
+# ---- the script's folder: its sibling modules, and where relative paths land ---------------------------------
+
+SIBLINGS_SCRIPT = """
+    import os, sys
+    import torch.distributed as dist
+    import helpers
+    from datautils import batch_size
+    from helpers.maths import double
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    here = os.path.dirname(os.path.abspath(__file__))
+    print("siblings", batch_size(), double(21), helpers.NAME, flush=True)
+    print("imported from here", os.path.dirname(sys.modules["datautils"].__file__) == here, sys.path[0] == here,
+          flush=True)
+    shipped = sorted(os.path.relpath(os.path.join(d, f), here) for d, dirs, files in os.walk(here)
+                     if "__pycache__" not in d for f in files)
+    print("folder", here, "holds", " ".join(shipped), flush=True)
+    with open(f"out-rank-{rank}.txt", "w") as f:  # a relative path: the rank's working directory
+        f.write(str(rank))
+    print("cwd", os.getcwd(), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def project(tmp_path: Path) -> Path:
+    """A script's folder as people have them: sibling modules, a package, data, a venv, caches, hidden files."""
+    root = tmp_path / "project"
+    (root / "helpers").mkdir(parents=True)
+    write(root, "train.py", SIBLINGS_SCRIPT)
+    write(root, "datautils.py", "def batch_size():\n    return 32\n")
+    write(root / "helpers", "__init__.py", "NAME = 'helpers'\n")
+    write(root / "helpers", "maths.py", "def double(x):\n    return 2 * x\n")
+    write(root, "data.csv", "a,b\n1,2\n")
+    write(root, "not-importable.py", "x = 1\n")
+    for skipped in (".venv", "venv", "__pycache__", ".git", "fastext"):
+        (root / skipped).mkdir()
+        write(root / skipped, "mod.py", "x = 1\n")
+    write(root / "venv", "pyvenv.cfg", "home = /usr/bin\n")
+    write(root / "fastext", "__init__.py", "")
+    (root / "fastext" / "_impl.so").write_bytes(b"\x7fELF")  # a compiled extension: must come from the workers
+    return root
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory):
+    """A scheduler and 2 `dask worker` processes started as a site starts them, each in its own working directory
+    (not this checkout, not the script's folder); yields the address, a client and the workers' folder."""
+    cwd = tmp_path_factory.mktemp("worker-cwd")
+    token = uuid.uuid4().hex
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address="127.0.0.1:0") as c, Client(c) as client:
+        procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", c.scheduler_address,
+                                   "--name", f"w{i}", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+                                  cwd=cwd, env=cli_env(token), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True) for i in range(2)]
+        try:
+            client.wait_for_workers(2, timeout=120)
+            yield c.scheduler_address, client, cwd
+        finally:
+            for proc in procs:
+                proc.terminate()  # SIGTERM: the worker leaves gracefully, as a pod stopped
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    assert wait_none_marked(token) == [], "processes left behind by the dask worker processes"
+
+
+@pytest.mark.slow
+def test_a_scripts_sibling_modules_ship_to_a_cluster_started_elsewhere(elsewhere, tmp_path):
+    address, client, worker_cwd = elsewhere
+    root = project(tmp_path)
+    shell = tmp_path / "shell"  # where the user runs dask-ddp
+    shell.mkdir()
+    out = run_cli("run", "--scheduler", address, "--workers", "2", root / "train.py", cwd=shell)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):
+        assert f"[rank {rank}] siblings 32 42 helpers" in lines
+        assert f"[rank {rank}] imported from here True True" in lines
+        held = next(line for line in lines if line.startswith(f"[rank {rank}] folder "))
+        folder, files = held.split(" ", 3)[3].split(" holds ")
+        assert folder != str(root)  # a private copy: the workers need not see this machine's files
+        assert files.split() == ["datautils.py", "helpers/__init__.py", "helpers/maths.py", "train.py"]
+        assert f"[rank {rank}] cwd {worker_cwd}" in lines  # the dask worker's working directory
+        assert (worker_cwd / f"out-rank-{rank}.txt").read_text() == str(rank)
+    assert "fastext/ (compiled extension modules): install it on the workers" in out.stderr
+    assert not list(shell.iterdir()) and not list(root.glob("out-rank-*"))
+    assert leftover_processes(client) == []
+
+
+@pytest.mark.slow
+def test_a_scripts_sibling_modules_on_the_local_cluster(tmp_path):
+    root = project(tmp_path)
+    shell = tmp_path / "shell"
+    shell.mkdir()
+    out = run_cli("run", "--workers", "2", root / "train.py", cwd=shell)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):
+        assert f"[rank {rank}] siblings 32 42 helpers" in lines
+        assert f"[rank {rank}] imported from here True True" in lines
+        assert next(line for line in lines if line.startswith(f"[rank {rank}] folder ")).startswith(
+            f"[rank {rank}] folder {root} holds ")  # the workers see the folder itself, as `python train.py` would
+        assert f"[rank {rank}] cwd {shell}" in lines  # the local cluster's workers run where dask-ddp was run
+        assert (shell / f"out-rank-{rank}.txt").read_text() == str(rank)
+    assert "not shipped" not in out.stderr  # nothing ships to the local cluster
+
+
+def test_the_bound_on_what_ships_is_a_usage_error(tmp_path):
+    root = project(tmp_path)
+    write(root, "big.py", "x = 1\n" * 400)
+    out = run_cli("run", "--scheduler", "tcp://127.0.0.1:1", "--ship-limit", "0.001", root / "train.py", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"the script's folder {root} holds 2." in out.stderr and " KiB of Python modules to ship" in out.stderr
+    assert "over the bound of 1.0 KiB (the largest: big.py 2.3 KiB" in out.stderr
+    assert "raise the bound with --ship-limit MIB" in out.stderr
+    assert "Traceback" not in out.stderr and "cannot reach" not in out.stderr  # before anything is contacted
+
+
+def test_what_ships_from_the_scripts_folder(tmp_path):
+    from dask_ddp.cli.script import load_script
+
+    root = project(tmp_path)
+    os.symlink(root / "helpers", root / "linked")  # a linked package ships; a loop back to the folder does not
+    os.symlink(root, root / "helpers" / "loop")
+    script = load_script(root / "train.py", ship_limit=1 << 20)
+    assert [rel for rel, _ in script.siblings] == ["datautils.py", "helpers/__init__.py", "helpers/maths.py",
+                                                   "linked/__init__.py", "linked/maths.py"]
+    assert dict(script.siblings)["datautils.py"] == (root / "datautils.py").read_bytes()
+    assert script.not_shipped == ("fastext",)
+    assert load_script(root / "train.py").siblings is None  # the local cluster's workers see the folder
+    with pytest.raises(ValueError, match=r"holds .* over the bound of 100 bytes .*--ship-limit.*run the script from"):
+        load_script(root / "train.py", ship_limit=100)
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------------

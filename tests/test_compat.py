@@ -11,11 +11,15 @@ for ``torch.device(0)`` and ``backend="gloo"``.
 from __future__ import annotations
 
 import datetime
+import inspect
 import io
 import json
 import multiprocessing as mp
+import os
 import pickle
 import traceback
+import uuid
+from pathlib import Path
 
 import boto3
 import pytest
@@ -206,6 +210,82 @@ def test_default_backend_is_nccl_and_says_to_use_gloo_on_cpu(client):
     futures = dispatch.run(client, lambda: 1)
     with pytest.raises(dask_ddp.PlanError, match="backend='gloo'"):
         client.gather(futures)
+
+
+# ---- the rest of 0.2.2's public names -------------------------------------------------------------------------
+
+def rank_sum(scale, *, offset=0):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return {"sum": t.item() * scale + offset, "rank": os.environ["RANK"], "world": dist.get_world_size(),
+            "backend": dist.get_backend()}
+
+
+def with_agent_store(*args, **kwargs):
+    """``dispatch_with_ddp`` with every rank a client of the test's store (bound on port 0, read back), as
+    under torchrun's agent: the old API needs a port known in advance, and a test must not guess a free one."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    try:
+        return dispatch.dispatch_with_ddp(*args, **kwargs)
+    finally:
+        del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+
+
+def ddp_environment():
+    return {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ}, \
+        dist.is_available() and dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_dispatch_with_ddp_with_the_old_signature(client):
+    from dask_ddp.compat.dispatch import dispatch_with_ddp  # the import path 0.2.2's README used
+
+    assert list(inspect.signature(dispatch_with_ddp).parameters) == [
+        "pytorch_function", "master_addr", "master_port", "rank", "world_size", "args", "backend", "kwargs"]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    workers = sorted(client.scheduler_info()["workers"])
+    futures = [client.submit(with_agent_store, rank_sum, "127.0.0.1", store.port, rank, len(workers), 10,
+                             backend="gloo", offset=1, workers=[w], pure=False) for rank, w in enumerate(workers)]
+    out = client.gather(futures)
+    assert [o["rank"] for o in out] == ["0", "1"] and {o["sum"] for o in out} == {11.0}
+    assert all(o["world"] == 2 and o["backend"] == "gloo" for o in out)
+    # as 0.2.2, it ran in the worker's own thread; unlike 0.2.2, it leaves no variable nor group behind
+    assert list(client.run(ddp_environment).values()) == [({}, False), ({}, False)]
+
+
+def nested_dispatch_with_ddp():
+    return dispatch.dispatch_with_ddp(lambda: 1, "127.0.0.1", 1, 0, 1, backend="gloo")
+
+
+@pytest.mark.slow
+def test_dispatch_with_ddp_inside_a_run_says_what_to_do(client):
+    with pytest.raises(RuntimeError, match="already initialised.*call the function itself"):
+        client.gather(dispatch.run(client, nested_dispatch_with_ddp, backend="gloo"))
+
+
+def test_s3_image_folder_keeps_the_attributes_of_0_2_2(s3_server):
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    bucket = f"compat-attrs-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    for name in ("pets/dog/1.png", "pets/cat/2.png", "pets/cat/1.png", "pets/cat/notes.txt", "pets/index.csv"):
+        s3.put_object(Bucket=bucket, Key=name, Body=b"x")
+    options = {"client_kwargs": {"endpoint_url": s3_server}}
+    ds = S3ImageFolder(bucket, "pets/", storage_options=options)
+    assert ds.all_files == ["pets/cat/1.png", "pets/cat/2.png", "pets/dog/1.png"]  # keys, in sample order
+    assert [url for url, _ in ds.samples] == [f"s3://{bucket}/{key}" for key in ds.all_files]
+    assert (ds.s3_bucket, ds.s3_prefix, ds.anon) == (bucket, "pets", False)
+    assert "all_files" not in ds.__getstate__()  # derived, not shipped to DataLoader workers and ranks
+    again = pickle.loads(pickle.dumps(ds))
+    assert (again.all_files, again.s3_bucket, again.s3_prefix, again.anon) == (ds.all_files, bucket, "pets", False)
+    anon = S3ImageFolder(f"/{bucket}/", "/pets", anon=True, storage_options=options, index=ds.index)
+    assert (anon.s3_bucket, anon.s3_prefix, anon.anon) == (bucket, "pets", True)
+
+
+def test_no_dask_pytorch_ddp_package_of_ours():
+    """Imports change to ``dask_ddp.compat``: a ``dask_pytorch_ddp`` of ours would shadow the real one."""
+    root = Path(__file__).resolve().parents[1]
+    assert not (root / "dask_pytorch_ddp").exists()
+    assert "dask_pytorch_ddp" not in (root / "pyproject.toml").read_text()
 
 
 # ---- without a cluster -------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Runs in: the user's shell (the ``dask-ddp`` command, or ``python -m dask_ddp.cli``).
 
 ``dask-ddp run`` runs torchrun-style scripts on a Dask cluster
-(:mod:`.run`, with the script runner in :mod:`.script`); ``dask-ddp demo``
-trains a CNN on digits read from S3 (:mod:`.demo`); :mod:`.common` holds
-what both share. Imports go one way: this module -> run, demo -> common,
-script.
+(:mod:`.run`, with the script runner in :mod:`.script` and the modules that
+ship beside the script in :mod:`.siblings`); ``dask-ddp demo`` trains a CNN
+on digits read from S3 (:mod:`.demo`); :mod:`.common` holds what both share.
+Imports go one way: this module -> run, demo -> common, script -> siblings.
 
 Exit codes: 0 success; 1 the job failed (the root cause and its traceback on
 stderr) or the scheduler could not be reached; 2 usage errors (bad options,

@@ -12,6 +12,7 @@ import contextlib
 import sys
 import uuid
 
+from dask_ddp.cli import siblings
 from dask_ddp.cli.common import (
     EXIT_FAILED,
     add_cluster_arguments,
@@ -31,9 +32,22 @@ Run SCRIPT on the workers of a Dask cluster, one rank per worker, as torchrun wo
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and the
 TORCHELASTIC_* variables are set, and the script's own
 torch.distributed.init_process_group(...) (env://) joins the job's rendezvous.
-The script is read here and shipped as text: the workers need not share a
-filesystem with this machine (but modules it imports must be installed there).
 Every line a rank prints is echoed as "[rank N] ...".
+
+Files: the script is read here and shipped as text, and each rank runs it as
+`python SCRIPT` would, the script's folder first on sys.path. On the local
+cluster that is the folder itself. With --scheduler the workers need not see
+this machine's files: the Python modules and packages beside SCRIPT ship with
+it (up to --ship-limit MiB; never hidden folders, virtual environments, data
+files, or packages with compiled extensions, which must be installed on the
+workers like any other module it imports), and each rank runs from a private
+copy of the folder that holds only those: data files next to __file__ are
+not there. Relative paths the script writes or reads (open("log.txt", "w"),
+torch.save(model, "ckpt.pt")) resolve against the rank's working directory,
+which is its Dask worker's: on the local cluster the directory you run
+dask-ddp run from; with --scheduler the directory each `dask worker` was
+started in (in a container, its working directory), on that worker's
+machine. Give shared or s3:// paths for what must outlive the workers.
 
 GPUs: cuda:LOCAL_RANK is each rank's own GPU, as under torchrun: the local
 cluster's workers see every GPU, and on dask-cuda workers (--scheduler of a
@@ -70,12 +84,26 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-restarts", type=int_at_least(0), default=0, metavar="N",
                         help="restart every rank up to N times after a failure (TORCHELASTIC_RESTART_COUNT "
                              "counts them), as torchrun --max-restarts")
+    parser.add_argument("--ship-limit", type=_mebibytes, default=siblings.DEFAULT_LIMIT / (1 << 20), metavar="MIB",
+                        help="with --scheduler: the most MiB of Python modules from the script's folder that ship "
+                             "with it (default %(default)g); over it, nothing runs")
     parser.add_argument("--progress", action="store_true",
                         help="show a progress bar of the steps the script reports with dask_ddp.report()")
     parser.add_argument("script", help="the Python script, as `python SCRIPT` would run it")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script (everything after SCRIPT)")
     parser.set_defaults(func=main)
+
+
+def _mebibytes(text: str) -> float:
+    """An argparse ``type``: a size in MiB, 0 or more (``argparse.ArgumentTypeError`` otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected at least 0 MiB, got {text}")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:
@@ -91,9 +119,14 @@ def main(args: argparse.Namespace) -> int:
         Ctrl-C before the job started (the CLI turns it into exit code 130).
     """
     try:
-        script = load_script(args.script, args.script_args)
+        # only a cluster started elsewhere needs the modules beside the script: the local one sees the folder
+        limit = int(args.ship_limit * (1 << 20)) if args.scheduler else None
+        script = load_script(args.script, args.script_args, ship_limit=limit)
     except (OSError, ValueError, SyntaxError) as exc:
         return usage_error("run", f"{type(exc).__name__}: {exc}")
+    for name in script.not_shipped:
+        print(f"dask-ddp run: not shipped: {name}/ (compiled extension modules): install it on the workers",
+              file=sys.stderr)
     with contextlib.ExitStack() as stack:
         try:
             client = stack.enter_context(open_client(args.scheduler, args.workers, dask_cuda=False,

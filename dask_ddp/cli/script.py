@@ -20,10 +20,17 @@ included, then connects to the existing store as a client. The script's
 group keys live under torch's ``default_pg`` prefix, apart from the first
 group's.
 
-Caveats: only the script itself ships. ``sys.path[0]`` and ``__file__`` point
-to a private temporary folder holding a copy of it, so imports of sibling
-modules and data files found next to ``__file__`` must be installed on, or
-reachable from, the workers.
+Where it runs from: on the CLI's own local cluster (``load_script`` without
+``ship_limit``) the workers see the client's files, so ``sys.path[0]`` is the
+script's folder and ``__file__`` the script, as under ``python``. On a cluster
+started elsewhere (``--scheduler``) the modules beside the script ship with it
+(:mod:`dask_ddp.cli.siblings`): ``sys.path[0]`` and ``__file__`` point to a
+private copy of the folder (in the rank's ``TMPDIR``, removed after the rank)
+holding the script and those modules. Data files next to ``__file__`` are not
+there, and packages with compiled extensions must be installed on the workers.
+Relative paths resolve against the rank's working directory, its Dask
+worker's (where ``dask worker`` started; for the local cluster, where
+``dask-ddp run`` did).
 
 Why this module stays light (no torch, no distributed at import): the job
 ships :func:`run_script` by reference, so every rank imports this module (and
@@ -43,6 +50,7 @@ import types
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from dask_ddp.cli import siblings as _siblings
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import RankExitError
 
@@ -55,11 +63,18 @@ class ScriptExitError(RankExitError):
 
 @dataclass(frozen=True)
 class Script:
-    """A script read on the client: its path there (the code's file name), its text and its arguments."""
+    """A script read on the client: its path there (the code's file name), its text and its arguments.
+
+    ``siblings`` are the Python files beside it that ship with it, as ``(relative POSIX path, content)``
+    (:func:`dask_ddp.cli.siblings.collect`); None when the workers see the client's folder (the CLI's local
+    cluster). ``not_shipped`` names the packages beside it left out (compiled extension modules).
+    """
 
     path: str
     source: str
     argv: tuple[str, ...] = ()
+    siblings: tuple[tuple[str, bytes], ...] | None = None
+    not_shipped: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -67,7 +82,7 @@ class Script:
         return os.path.basename(self.path)
 
 
-def load_script(path: str | os.PathLike, argv: Sequence[str] = ()) -> Script:
+def load_script(path: str | os.PathLike, argv: Sequence[str] = (), *, ship_limit: int | None = None) -> Script:
     """Read a Python script on the client and check that it compiles.
 
     Parameters
@@ -76,6 +91,9 @@ def load_script(path: str | os.PathLike, argv: Sequence[str] = ()) -> Script:
         The script, as ``python path`` would take it.
     argv : sequence of str
         Its command-line arguments (``sys.argv[1:]`` on the ranks).
+    ship_limit : int, optional
+        Collect the Python modules beside the script to ship with it, up to this many bytes (for workers
+        that do not see the client's files). None: ship none, the workers import from the folder itself.
 
     Raises
     ------
@@ -84,7 +102,7 @@ def load_script(path: str | os.PathLike, argv: Sequence[str] = ()) -> Script:
     SyntaxError
         The script does not compile (file name and line as Python reports them).
     ValueError
-        The script is not UTF-8 text.
+        The script is not UTF-8 text, or the modules beside it add up to more than ``ship_limit`` bytes.
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
@@ -99,7 +117,9 @@ def load_script(path: str | os.PathLike, argv: Sequence[str] = ()) -> Script:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not UTF-8 text (a Python script?): {exc}") from None
     compile(source, path, "exec")  # SyntaxError here, on the client, before anything ships
-    return Script(path=path, source=source, argv=tuple(str(a) for a in argv))
+    files, not_shipped = _siblings.collect(path, ship_limit) if ship_limit is not None else (None, ())
+    return Script(path=path, source=source, argv=tuple(str(a) for a in argv), siblings=files,
+                  not_shipped=not_shipped)
 
 
 def run_script(script: Script) -> int:
@@ -146,23 +166,33 @@ def run_script(script: Script) -> int:
 def _as_main(script: Script) -> Iterator[dict]:
     """A fresh ``__main__`` module for the script, with ``sys.argv`` and ``sys.path[0]`` as ``python`` sets them.
 
-    The copy on disk serves ``__file__`` and multiprocessing's spawn start method
-    (which re-imports ``__main__`` from its file); it is removed afterwards.
+    ``sys.path[0]`` is the script's own folder when the workers see it (nothing shipped), else a private copy
+    holding the script and its shipped siblings, removed afterwards. The file serves ``__file__`` and
+    multiprocessing's spawn start method (which re-imports ``__main__`` from its file).
     """
-    folder = tempfile.mkdtemp(prefix="dask-ddp-script-")
-    copy = os.path.join(folder, script.name)
-    with open(copy, "w", encoding="utf-8") as f:
-        f.write(script.source)
+    copy = None if script.siblings is None else _private_copy(script)
+    file = script.path if copy is None else copy
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=copy, __builtins__=builtins, __spec__=None, __loader__=None,
+    main.__dict__.update(__file__=file, __builtins__=builtins, __spec__=None, __loader__=None,
                          __package__=None, __cached__=None)
     saved = sys.modules.get("__main__"), sys.argv, list(sys.path)
-    sys.modules["__main__"], sys.argv = main, [copy, *script.argv]
-    sys.path.insert(0, folder)
+    sys.modules["__main__"], sys.argv = main, [file, *script.argv]
+    sys.path.insert(0, os.path.dirname(file))
     try:
         yield main.__dict__
     finally:
         if saved[0] is not None:
             sys.modules["__main__"] = saved[0]
         sys.argv, sys.path[:] = saved[1], saved[2]
-        shutil.rmtree(folder, ignore_errors=True)
+        if copy is not None:
+            shutil.rmtree(os.path.dirname(copy), ignore_errors=True)
+
+
+def _private_copy(script: Script) -> str:
+    """Write the script and its siblings into a new folder (under the rank's TMPDIR); return the script's path."""
+    folder = tempfile.mkdtemp(prefix="dask-ddp-script-")
+    _siblings.materialise(script.siblings, folder)
+    copy = os.path.join(folder, script.name)
+    with open(copy, "w", encoding="utf-8") as f:
+        f.write(script.source)
+    return copy

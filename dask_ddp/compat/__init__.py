@@ -2,12 +2,19 @@
 
 Runs in: the client (``dispatch``, ``results``); results' ``submit_result`` in the rank process.
 
-Code written for dask-pytorch-ddp runs after changing one import::
+Code written for dask-pytorch-ddp runs after changing ``dask_pytorch_ddp`` to
+``dask_ddp.compat`` in its imports::
 
     # from dask_pytorch_ddp import dispatch, results
     # from dask_pytorch_ddp.data import S3ImageFolder
+    # from dask_pytorch_ddp.dispatch import dispatch_with_ddp
     from dask_ddp.compat import dispatch, results
     from dask_ddp.compat.data import S3ImageFolder
+    from dask_ddp.compat.dispatch import dispatch_with_ddp
+
+There is no ``dask_pytorch_ddp`` alias package on purpose: where the real
+one is installed too, it would shadow it. README's "Coming from
+dask-pytorch-ddp" lists every difference that remains.
 
     futures = dispatch.run(client, train, bucket=..., backend="nccl")
     rh = results.DaskResultsHandler(key)
@@ -22,8 +29,13 @@ Inside the function ``torch.distributed`` is initialised, and ``MASTER_ADDR``,
 torchrun's variables). :class:`results.DaskResultsHandler` moves small
 results from the ranks to files under a local directory.
 
+:func:`dispatch.dispatch_with_ddp` is 0.2.2's runner of one rank, for code
+that submitted it to each worker itself (it runs in the calling process, as
+before; ``run`` does not use it).
+
 ``compat.data.S3ImageFolder(bucket, prefix, transform=...)`` is dask-ddp's
-:class:`dask_ddp.S3ImageFolder` with 0.2.2's signature (imported on first
+:class:`dask_ddp.S3ImageFolder` with 0.2.2's signature and its attributes
+``all_files``, ``s3_bucket``, ``s3_prefix`` and ``anon`` (imported on first
 use: it needs torchvision).
 
 What is better: the rendezvous port is picked by the OS (0.2.2 used the

@@ -1,6 +1,7 @@
 """``dask_pytorch_ddp.dispatch.run`` (0.2.2): a list of futures, one per worker, on dask-ddp's engine.
 
-Runs in: the client; ``_settle`` as a Dask task on a worker, ``_with_local_rank`` in the rank process.
+Runs in: the client; ``_settle`` (and 0.2.2's ``dispatch_with_ddp``, where code submits it) as a Dask task on a
+worker, ``_with_local_rank`` in the rank process.
 
 The job behind the futures is a normal :class:`dask_ddp.Job`. Each returned
 future is a small task that depends on one rank's task: it returns the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import uuid
 import weakref
@@ -35,7 +37,7 @@ from dask_ddp.client.job import Job
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import RankFailedError
 
-__all__ = ["run"]
+__all__ = ["run", "dispatch_with_ddp"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -121,6 +123,62 @@ def run(client, pytorch_function: Callable, *args: Any, backend: str = "nccl", p
     verdict.futures = [Future(f.key, client) for f in futures]
     verdict.ready.set()
     return futures
+
+
+def dispatch_with_ddp(pytorch_function: Callable, master_addr: Any, master_port: Any, rank: Any, world_size: Any,
+                      *args: Any, backend: str = "nccl", **kwargs: Any) -> Any:
+    """0.2.2's runner of one rank: ``pytorch_function(*args, **kwargs)`` inside a process group of its own.
+
+    As in 0.2.2, in the calling process (a Dask task runs it in its worker's
+    thread): set ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``,
+    ``torch.distributed.init_process_group(backend)`` (``env://``: rank 0 binds
+    ``master_port``), call the function, destroy the group. It is for code that
+    submitted it to each worker itself::
+
+        client.submit(dispatch_with_ddp, train, host, port, rank, n, backend="gloo", workers=[address])
+
+    :func:`run` does not use it: run's ranks are dask-ddp's (a child process
+    each, a port picked by the OS, failures that stop the other ranks), so
+    prefer ``run``. Differences from 0.2.2: the four variables are put back as
+    they were afterwards, and the group is destroyed only if it was made. The
+    variables are the process's: run one call per worker process at a time.
+
+    Returns
+    -------
+    object
+        What ``pytorch_function`` returned.
+
+    Raises
+    ------
+    RuntimeError
+        ``torch.distributed`` is initialised in this process already (inside a
+        function started by :func:`run`, whose group is ready: call the
+        function itself).
+    Exception
+        Whatever ``init_process_group`` (a port in use, an unreachable rank 0)
+        or ``pytorch_function`` raised.
+    """
+    import torch.distributed as dist  # seconds to import: not before it is used
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(f"dispatch_with_ddp: torch.distributed is already initialised in this process (rank "
+                           f"{dist.get_rank()} of {dist.get_world_size()}; inside dask_ddp.compat.dispatch.run's "
+                           f"function?): call the function itself, its process group is ready")
+    env = {"MASTER_ADDR": master_addr, "MASTER_PORT": master_port, "RANK": rank, "WORLD_SIZE": world_size}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update({name: str(value) for name, value in env.items()})
+    try:
+        dist.init_process_group(backend=backend)
+        try:
+            return pytorch_function(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def job_of(future) -> Job | None:
