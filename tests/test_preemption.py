@@ -463,3 +463,10 @@ def _notice_all(deadline, dask_worker=None):
     for sup in sups:
         sup.notice(Notice(deadline, "a notice with a far deadline", "", "grow"))
     return [s.rank for s in sups]
+
+
+def test_preemption_restarts_are_capped():
+    assert elastic.over_cap(99, 100, "job-1") is None
+    err = elastic.over_cap(100, 100, "job-1")
+    assert isinstance(err, dask_ddp.DaskDDPError) and "preempted 100 times" in str(err)
+    assert "ddp.preemption.max-restarts (100)" in str(err)

@@ -115,7 +115,7 @@ PUBLIC = {
     "dask_ddp.checkpoint": ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
                             "Checkpoint", "CheckpointError", "job_folder", "rng_state", "set_rng_state"],
     "dask_ddp.compat": ["dispatch", "results"],
-    "dask_ddp.compat.dispatch": ["run"],
+    "dask_ddp.compat.dispatch": ["run", "dispatch_with_ddp"],
     "dask_ddp.compat.data": ["S3ImageFolder"],
     "dask_ddp.compat.results": ["DaskResultsHandler"],
     "dask_ddp.cli": ["main", "build_parser"],
