@@ -74,9 +74,10 @@ class LocalControl:
     one the scheduler already shows).
     """
 
-    def __init__(self, client, spec: LaunchSpec, record: JobRecord | None = None):
+    def __init__(self, client, spec: LaunchSpec, record: JobRecord | None = None, raw_results: bool = False):
         self.record = new_record(spec.run_id) if record is None else record
-        self.controller = Controller(spec, spec.run_id, DaskCluster(client, topic_of(spec.run_id)), self.record)
+        self.controller = Controller(spec, spec.run_id, DaskCluster(client, topic_of(spec.run_id)), self.record,
+                                     raw_results=raw_results)
         self._thread = threading.Thread(target=self.controller.run, name=f"dask-ddp-job-{spec.run_id}", daemon=True)
 
     @property

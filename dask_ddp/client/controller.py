@@ -75,9 +75,9 @@ class Controller:
     """
 
     def __init__(self, spec: LaunchSpec, run_id: str, cluster, record: JobRecord, owner: Any = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, raw_results: bool = False):
         self.spec, self.run_id, self.cluster, self.record = spec, run_id, cluster, record
-        self.owner, self.clock = owner, clock
+        self.owner, self.clock, self.raw_results = owner, clock, raw_results  # raw: values stay pickled (detach)
         self.callbacks = Callbacks(spec.callbacks)
         self.order = EventOrder()
         self.silence = SilenceWatch(spec.worker_timeout)
@@ -318,8 +318,8 @@ class Controller:
         if capped is not None:
             self._end("FAILED", capped, decision.reason)
         elif decision.action == Action.FINISH:
-            values = [cloudpickle.loads(att.outcomes[r].value) for r in sorted(att.outcomes)]
-            self._end("FINISHED", None, decision.reason, values)
+            values, error = policy.results(att.outcomes, self.raw_results, self.run_id)
+            self._end("FAILED" if error else "FINISHED", error, str(error) if error else decision.reason, values)
         elif self.cancel_requested:
             self._cancelled(decision.reason)
         elif decision.action == Action.RESTART:

@@ -70,18 +70,19 @@ def _start(blob: bytes, dask_scheduler=None) -> str:
     driver = _Driver(spec, new_record(spec.run_id))
     with _LOCK:
         _DRIVERS[spec.run_id] = driver
-    threading.Thread(target=_drive, args=(dask_scheduler.address, driver), name=f"dask-ddp-driver-{spec.run_id}",
-                     daemon=True).start()
+    # the driver's client speaks to the scheduler as its workers do: with its security (TLS) settings
+    threading.Thread(target=_drive, args=(dask_scheduler.address, driver, dask_scheduler.security),
+                     name=f"dask-ddp-driver-{spec.run_id}", daemon=True).start()
     return spec.run_id
 
 
-def _drive(address: str, driver: _Driver) -> None:
+def _drive(address: str, driver: _Driver, security=None) -> None:
     from distributed import Client
 
     spec, record = driver.spec, driver.record
     try:
-        with Client(address, set_as_default=False) as client:
-            job = Job(client, spec, LocalControl(client, spec, record))._start()
+        with Client(address, security=security, set_as_default=False) as client:
+            job = Job(client, spec, LocalControl(client, spec, record, raw_results=True))._start()
             with _LOCK:
                 driver.job, cancel = job, driver.cancel_asked
             if cancel:
@@ -258,7 +259,8 @@ class RemoteControl:
             record.telemetry, record.stragglers = snap.get("telemetry", {}), snap.get("stragglers", {})
             record.created = snap.get("created", record.created)
             if snap["settled"]:
-                record.error, record.values = cloudpickle.loads(snap["outcome"])
+                record.error, values = cloudpickle.loads(snap["outcome"])  # the values still pickled: see _drive
+                record.values = None if values is None else [cloudpickle.loads(v) for v in values]
                 record.settled = True
             record.cond.notify_all()
         return snap["n"]

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import cloudpickle
+import dask
 
-from dask_ddp.wire.errors import RankFailedError, StallError, WorkerLostError
+from dask_ddp.wire.errors import DaskDDPError, RankFailedError, StallError, WorkerLostError
 from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.plan import RankSpec, elastic_bounds
@@ -179,6 +180,26 @@ def lost_outcome(r: RankSpec, when: float, silent: float | None = None, retired:
     err = WorkerLostError(f"rank {r.rank}'s worker {r.address} (name {r.name!r}) {how}; see the worker's logs, or "
                           "set max_restarts= to restart on the workers left", rank=r.rank, worker=r.address)
     return RankOutcome(r.rank, r.address, Status.LOST, error=cloudpickle.dumps(err), message=str(err), time=when)
+
+
+def results(outcomes: Mapping[int, RankOutcome], raw: bool, run_id: str) -> tuple[list | None, Exception | None]:
+    """The ranks' return values in rank order, and None; or None and the error that ends the job instead.
+
+    ``raw``: keep each value pickled (a detached job's driver, in the scheduler's process: only the client that
+    asks unpickles them, so a value's ``__reduce__`` never runs in the scheduler), each at most
+    ``ddp.detached.max-result-bytes``. Otherwise the values unpickled.
+    """
+    blobs = [outcomes[r].value for r in sorted(outcomes)]
+    if not raw:
+        return [cloudpickle.loads(b) for b in blobs], None
+    cap = int(dask.config.get("ddp.detached.max-result-bytes"))
+    for r, blob in zip(sorted(outcomes), blobs):
+        if len(blob) > cap:
+            return None, DaskDDPError(
+                f"detached job {run_id}: rank {r} returned {len(blob):,} bytes pickled, over "
+                f"ddp.detached.max-result-bytes ({cap:,}): the scheduler keeps a detached job's results. Return "
+                "less (save large state with dask_ddp.save_checkpoint and return its step), or raise the setting")
+    return blobs, None
 
 
 def queued_message(found: Mapping[str, Mapping], rank_of: Mapping[str, int]) -> str | None:
