@@ -50,8 +50,8 @@ __version__ = "0.1.0"
 # imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile. The client's
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
-         "dispatch": None, "attach": "client.detach", "DetachedJobNotFound": "client.detach",
-         "MLflowSink": "observe.mlflow_sink"}
+         "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
+         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink"}
 
 
 def __getattr__(name: str):

@@ -428,15 +428,31 @@ def test_what_ships_from_the_scripts_folder(tmp_path):
 # ---- pure parts ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("workers, dask_cuda, gpus, kind", [
-    (None, True, 0, "LocalCluster with 2 workers"),
-    (3, True, 0, "LocalCluster with 3 workers"),
-    (None, False, 4, "LocalCluster with 4 workers"),
-    (1, False, 4, "LocalCluster with 1 workers"),
+    (None, True, 0, "LocalCluster with 2 workers (TLS)"),
+    (3, True, 0, "LocalCluster with 3 workers (TLS)"),
+    (None, False, 4, "LocalCluster with 4 workers (TLS)"),
+    (1, False, 4, "LocalCluster with 1 workers (TLS)"),
 ])
 def test_local_cluster_choice(workers, dask_cuda, gpus, kind):
     from dask_ddp.cli.common import _local_cluster_kind
 
     assert _local_cluster_kind(workers, dask_cuda, gpus)[0] == kind
+
+
+@pytest.mark.slow
+def test_the_clis_local_cluster_speaks_tls_with_credentials_of_its_own():
+    """dask-ddp run/demo started a plain-TCP cluster any local user could submit code to."""
+    from dask.distributed import Client
+
+    from dask_ddp.cli.common import _local_cluster_kind
+
+    _, make = _local_cluster_kind(1, False, 0)
+    with make() as cluster:
+        assert cluster.scheduler_address.startswith("tls://"), cluster.scheduler_address
+        with pytest.raises(Exception):  # noqa: B017 - without the credentials: refused (TLS handshake or type)
+            Client(cluster.scheduler_address, timeout=5)
+        with Client(cluster) as client:
+            assert client.submit(lambda: 41 + 1).result(timeout=60) == 42
 
 
 def test_local_cuda_cluster_choice_with_dask_cuda(monkeypatch):
@@ -445,7 +461,7 @@ def test_local_cuda_cluster_choice_with_dask_cuda(monkeypatch):
     from dask_ddp.cli import common
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "dask_cuda" else None)
-    assert common._local_cluster_kind(None, True, 2)[0] == "LocalCUDACluster with 2 workers (one GPU each)"
+    assert common._local_cluster_kind(None, True, 2)[0] == "LocalCUDACluster with 2 workers (one GPU each; TLS)"
 
 
 def test_load_script_errors(tmp_path):

@@ -13,7 +13,6 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from test_imports import PACKAGE, Edge, import_graph
@@ -139,6 +138,16 @@ def test_every_documented_public_name_imports():
             assert hasattr(importlib.import_module(module), name) or importlib.util.find_spec(dotted), dotted
         except ModuleNotFoundError:
             pytest.fail(f"README names {dotted}, which does not import")
+
+
+def test_the_public_modules_are_attributes_of_the_package_once_it_is_imported():
+    """``import dask_ddp`` then ``dask_ddp.checkpoint.list_checkpoints(...)``, as the README and users write it."""
+    code = ("import dask_ddp\n"
+            "for name in ('dispatch', 'checkpoint', 'data', 'compat'):\n"
+            "    assert hasattr(getattr(dask_ddp, name), '__file__'), name\n"
+            "dask_ddp.checkpoint.list_checkpoints, dask_ddp.dispatch.run, dask_ddp.data.S3ImageFolder\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_the_modules_processes_run_exist():

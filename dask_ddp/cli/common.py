@@ -186,21 +186,29 @@ def _gpu_count() -> int:
 
 
 def _local_cluster_kind(workers: int | None, dask_cuda: bool, gpus: int):
-    """``(description, factory)`` of the local cluster to start: a pure choice, nothing is started."""
-    common = dict(host="127.0.0.1", dashboard_address="127.0.0.1:0", threads_per_worker=1)
+    """``(description, factory)`` of the local cluster to start: a pure choice, nothing is started.
+
+    The cluster speaks TLS with temporary credentials (``Security.temporary()``, made for it and known only to
+    this process and the cluster's): a plain-TCP scheduler on 127.0.0.1 takes code from any local user."""
     n = workers or gpus or 2
+
+    def common() -> dict:
+        from distributed.security import Security
+
+        return dict(host="127.0.0.1", dashboard_address="127.0.0.1:0", threads_per_worker=1,
+                    security=Security.temporary())
     if gpus and dask_cuda and importlib.util.find_spec("dask_cuda") is not None:
         def make_cuda():
             from dask_cuda import LocalCUDACluster  # optional: dask-ddp[cuda]
 
-            return LocalCUDACluster(n_workers=n, **common)
-        return f"LocalCUDACluster with {n} workers (one GPU each)", make_cuda
+            return LocalCUDACluster(n_workers=n, **common())
+        return f"LocalCUDACluster with {n} workers (one GPU each; TLS)", make_cuda
 
     def make():
         from distributed import LocalCluster
 
-        return LocalCluster(n_workers=n, processes=True, **common)
-    return f"LocalCluster with {n} workers", make
+        return LocalCluster(n_workers=n, processes=True, **common())
+    return f"LocalCluster with {n} workers (TLS)", make
 
 
 @contextlib.contextmanager
