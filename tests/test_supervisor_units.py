@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dask_ddp.wire.notices import Notice
-from dask_ddp.worker.pump import OutputPump
+from dask_ddp.worker.pump import OutputPump, lines
 from dask_ddp.worker.stopping import ORPHANED, StopRule
 
 STORE_WARNING = ["[W1125 TCPStore.cpp:125] [c10d] recvValue failed: Connection was likely closed by the peer",
@@ -32,9 +32,9 @@ def pumped(stdout: list[str], stderr: list[str], stopping: bool) -> tuple[list[t
     pipes = {name: os.pipe() for name in ("stdout", "stderr")}
     streams = {name: os.fdopen(r, "rb") for name, (r, _) in pipes.items()}
     pump = OutputPump(streams, log, lambda wait: stopping, rank=3).start()
-    for name, lines in (("stdout", stdout), ("stderr", stderr)):
+    for name, text in (("stdout", stdout), ("stderr", stderr)):
         with os.fdopen(pipes[name][1], "wb") as w:
-            w.write("".join(f"{ln}\n" for ln in lines).encode())
+            w.write("".join(f"{ln}\n" for ln in text).encode())
     pump.join(10)
     assert all(s.closed for s in streams.values()), "a pump closes its stream at end of file"
     return logged, pump
@@ -134,3 +134,19 @@ def test_stopping_within_waits_for_the_flag():
     assert not r.stopping_within(0.15)
     threading.Timer(0.1, lambda: setattr(flag, "value", True)).start()
     assert r.stopping_within(5)
+
+
+def test_a_line_without_a_newline_is_read_in_bounded_pieces():
+    """A rank that printed 300 MiB without a newline grew its worker by ~560 MiB: the pump held the line."""
+    huge = 20 * 1024 * 1024
+    logged, _ = pumped([], ["x" * huge + "", "next"], stopping=False)
+    first, second = (line for _, line in logged)
+    assert len(first) < 70 * 1024 and first.endswith(f"[{huge - 64 * 1024} more bytes of this line dropped]")
+    assert second == "next"
+
+
+def test_lines_holds_at_most_its_limit():
+    import io
+
+    got = list(lines(io.BytesIO(b"a" * 10 + b"\n" + b"b" * 25 + b"\nc"), limit=8))
+    assert got == [(b"a" * 8, 2), (b"b" * 8, 17), (b"c", 0)]

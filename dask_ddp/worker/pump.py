@@ -28,6 +28,21 @@ logger = logging.getLogger("dask_ddp")
 _STORE_GONE = ("TCPStore.cpp", "Connection was likely closed")
 _STACK_LINES = ("Exception raised from ", "frame #", "<omitting python frames>")
 PUMP_WAIT = 1.0  # seconds a finished rank's output relays may take to reach the end of its pipes
+MAX_READ = 64 * 1024  # bytes of one output line kept; the rest of a longer line is read in pieces and dropped
+
+
+def lines(stream, limit: int = MAX_READ):
+    """``(first bytes of a line, bytes dropped from it)`` for each line of ``stream``, holding at most ``limit``
+    bytes at a time: a rank that prints 300 MiB without a newline costs its worker 64 KiB, not the line."""
+    while raw := stream.readline(limit):
+        cut = 0
+        if not raw.endswith(b"\n"):
+            while more := stream.readline(limit):
+                if more.endswith(b"\n"):
+                    cut += len(more) - 1
+                    break
+                cut += len(more)
+        yield raw, cut
 
 
 class OutputPump:
@@ -75,8 +90,10 @@ class OutputPump:
     def _pump(self, stream, name: str) -> None:
         held: list[str] = []  # a store warning and its frames, until the block ends
         with stream:  # closed here, at EOF: when the rank and whatever inherited the pipe have ended
-            for raw in iter(stream.readline, b""):
+            for raw, cut in lines(stream):
                 line = raw.decode(errors="replace").rstrip("\n")
+                if cut:
+                    line += f" ... [{cut} more bytes of this line dropped]"
                 if held and (line.startswith(_STACK_LINES) or not line.strip()):
                     held.append(line)
                     continue
