@@ -34,12 +34,8 @@ from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.hub import HANDLER, Hubs
 from dask_ddp.worker.leaving import RANK_HOST, drain
 from dask_ddp.worker.leaving import register as leave_gracefully
-from dask_ddp.worker.process import (
-    RankProcess,
-    Zygote,
-    sweep_tmp_roots,
-    worker_tmp_root,
-)
+from dask_ddp.worker.process import RankProcess, Zygote
+from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root
 
 
 class Supervisor(Protocol):

@@ -16,12 +16,10 @@ kills the DataLoader workers it started.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -29,6 +27,7 @@ from multiprocessing.connection import Connection
 import dask
 
 from dask_ddp.wire.task import TOKEN_VARIABLE
+from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root  # their first home: here
 
 __all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots"]
 
@@ -66,38 +65,6 @@ def stop_marked(token: str) -> list[int]:
         except (OSError, psutil.Error):  # gone meanwhile, or not ours to read
             continue
     return killed
-
-
-def worker_tmp_root() -> str:
-    """This worker process's folder of rank TMPDIRs, ``<system temp>/ddp-w<pid>``, made if missing.
-
-    A worker killed with its ranks leaves it behind; the next worker's :class:`~dask_ddp.worker.plugin.RankHost`
-    removes the folders of workers that are gone (:func:`sweep_tmp_roots`).
-    """
-    root = os.path.join(tempfile.gettempdir(), f"ddp-w{os.getpid()}")
-    os.makedirs(root, exist_ok=True)
-    return root
-
-
-def sweep_tmp_roots() -> list[str]:
-    """Remove the rank TMPDIR folders of worker processes that no longer run; return what was removed.
-
-    Raises nothing (best effort: a pid reused by another process keeps its folder until that one ends).
-    """
-    import psutil
-
-    removed = []
-    base = tempfile.gettempdir()
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return removed
-    for name in names:
-        pid = name[len("ddp-w"):] if name.startswith("ddp-w") else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-            removed.append(name)
-    return removed
 
 
 class _Rank:

@@ -47,10 +47,11 @@ from dask_ddp.wire.notices import Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
-from dask_ddp.worker.process import RankProcess, stop_marked, worker_tmp_root
+from dask_ddp.worker.process import RankProcess, stop_marked
 from dask_ddp.worker.pump import PUMP_WAIT, OutputPump
 from dask_ddp.worker.relay import Relay, drop_topic
 from dask_ddp.worker.stopping import ORPHANED, STOPPED, StopRule
+from dask_ddp.worker.tmpdirs import worker_tmp_root
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
 

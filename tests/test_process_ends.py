@@ -1,0 +1,165 @@
+"""How a rank's processes and files end: private temp folders, and clean process ends on a cancel.
+
+Runs as root on these machines (the temp-folder tests act as another user, uid 65534, through ``user=``);
+skipped elsewhere. Every folder, link, job and process a test makes is removed on its way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+
+import pytest
+from _cluster import local_client, run
+
+from dask_ddp.worker import tmpdirs
+
+NOBODY = 65534  # another local user
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (uid 65534): needs root")
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _foreign_folder(path: str) -> None:
+    """What another user does first: ``path`` as an empty folder of theirs that anyone may write to."""
+    os.mkdir(path)
+    os.chmod(path, 0o777)
+    os.chown(path, NOBODY, NOBODY)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# ---- private temporary folders ------------------------------------------------------------------------------
+
+@as_root
+@pytest.mark.parametrize("planted", ["foreign folder", "symlink", "symlink to own folder"])
+def test_a_planted_root_is_not_used(tmp_path, planted, caplog):
+    """``<tmp>/ddp-w<pid>`` has a name anyone can guess: what another user put there first is never used."""
+    name = "ddp-w4242"
+    path, elsewhere = str(tmp_path / name), str(tmp_path / "elsewhere")
+    if planted == "foreign folder":
+        _foreign_folder(path)
+    else:
+        os.mkdir(elsewhere, 0o700)
+        if planted == "symlink":
+            os.chown(elsewhere, NOBODY, NOBODY)
+        os.symlink(elsewhere, path)
+    with caplog.at_level("WARNING", logger="dask_ddp"):
+        root = tmpdirs.private_folder(str(tmp_path), name)
+    st = os.lstat(root)
+    said = caplog.text
+    assert path in said and root in said and ("symbolic link" in said or f"uid {NOBODY}" in said), said
+    assert root != path and os.path.dirname(root) == str(tmp_path) and os.path.basename(root).startswith(name + "-")
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700
+    assert os.path.islink(path) or os.lstat(path).st_uid == NOBODY, "the other user's folder is left as it was"
+    assert not os.listdir(path if planted == "foreign folder" else elsewhere), "nothing of ours went into it"
+
+
+def test_an_own_root_with_a_loose_mode_is_made_private(tmp_path):
+    """A root made by an earlier version (``os.makedirs``: 0755) is this user's: it is kept and made 0700."""
+    path = tmp_path / "ddp-w4243"
+    path.mkdir(mode=0o755)
+    path.chmod(0o755)
+    assert tmpdirs.private_folder(str(tmp_path), "ddp-w4243") == str(path)
+    assert os.lstat(path).st_mode & 0o777 == 0o700
+    fresh = tmpdirs.private_folder(str(tmp_path), "ddp-w4244")
+    assert fresh == str(tmp_path / "ddp-w4244") and os.lstat(fresh).st_mode & 0o777 == 0o700
+
+
+@as_root
+def test_the_sweep_removes_only_this_users_folders_of_dead_workers():
+    """The sweep runs as the worker's user (root here): it must not remove what another user made, nor follow a
+    link; a private root that replaced a planted one (``ddp-w<pid>-XXXX``) is swept like the plain one."""
+    base, pid = tempfile.gettempdir(), _dead_pid()
+    foreign, link, target = (os.path.join(base, f"ddp-w{pid}"), os.path.join(base, f"ddp-w{pid + 100000}"),
+                             tempfile.mkdtemp(prefix="ddp-test-target-"))
+    mine = tempfile.mkdtemp(prefix=f"ddp-w{pid}-")
+    try:
+        _foreign_folder(foreign)
+        os.symlink(target, link)
+        with open(os.path.join(target, "keep"), "w") as f:
+            f.write("x")
+        tmpdirs.sweep_tmp_roots()
+        assert os.path.isdir(foreign) and os.lstat(foreign).st_uid == NOBODY, "another user's folder was removed"
+        assert os.path.islink(link) and os.path.exists(os.path.join(target, "keep"))
+        assert not os.path.exists(mine), "this user's root of a dead worker was left"
+    finally:
+        for path in (foreign, link, target, mine):
+            _remove(path)
+
+
+def _write_a_secret_after_an_attack(secret):
+    """In the rank (root): another user (uid 65534) moves the rank's TMPDIR away and puts a folder of theirs in
+    its place, then the rank writes a file there, then that user reads it."""
+    import os
+    import subprocess
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    swap = subprocess.run(["sh", "-c", f'mv "{tmp}" "{tmp}.moved" && mkdir -m 777 "{tmp}"'], user=65534,
+                          group=65534, capture_output=True, text=True)
+    path = os.path.join(tmp, "secret.txt")
+    with open(path, "w") as f:
+        f.write(secret)
+    read = subprocess.run(["cat", path], user=65534, group=65534, capture_output=True, text=True)
+    root = os.path.dirname(tmp)
+    st = os.lstat(root)
+    return {"tmp": tmp, "root": root, "swapped": swap.returncode == 0, "read": read.stdout,
+            "root_uid": st.st_uid, "root_mode": st.st_mode & 0o7777, "root_is_dir": stat.S_ISDIR(st.st_mode)}
+
+
+@as_root
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", ["foreign folder", "symlink"])
+def test_another_user_who_made_the_root_first_cannot_read_a_ranks_files(planted):
+    """Seen: ``/tmp/ddp-w<pid>`` made first by another user was used as it was, and that user read a rank's
+    file. Now dask-ddp uses another private folder (and says so); the other user can neither swap the rank's
+    TMPDIR nor read what the rank writes."""
+    base = tempfile.gettempdir()
+    target = tempfile.mkdtemp(prefix="ddp-test-evil-")
+    made: list[str] = [target]
+    with local_client(1) as c:
+        [pid] = c.run(os.getpid).values()
+        planted_at = os.path.join(base, f"ddp-w{pid}")
+        try:
+            assert not os.path.lexists(planted_at), f"{planted_at} exists already"
+            made.append(planted_at)
+            if planted == "foreign folder":
+                _foreign_folder(planted_at)
+            else:
+                os.chmod(target, 0o777)
+                os.chown(target, NOBODY, NOBODY)
+                os.symlink(target, planted_at)
+            job = run(c, _write_a_secret_after_an_attack, "the rank's secret", workers=1)
+            try:
+                [got] = job.result(timeout=120)
+            finally:
+                job.cancel()
+            made += [got["tmp"] + ".moved", got["root"]]
+            print(got)
+            assert not got["swapped"], f"uid {NOBODY} moved the rank's TMPDIR {got['tmp']} away"
+            assert got["read"] == "", f"uid {NOBODY} read the rank's file in {got['tmp']}"
+            assert got["root"] != planted_at and os.path.realpath(got["root"]) == got["root"]
+            assert (got["root_uid"], got["root_mode"], got["root_is_dir"]) == (os.getuid(), 0o700, True)
+            inside = planted_at if planted == "foreign folder" else target
+            assert not os.listdir(inside), "nothing of the rank went into the other user's folder"
+        finally:
+            for path in made:
+                with contextlib.suppress(OSError):
+                    _remove(path)
+    for name in os.listdir(base):  # the worker's own roots, whatever the test's outcome
+        if name == f"ddp-w{pid}" or name.startswith(f"ddp-w{pid}-"):
+            _remove(os.path.join(base, name))
