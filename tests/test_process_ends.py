@@ -1,7 +1,7 @@
-"""How a rank's processes and files end: private temp folders, and clean process ends on a cancel.
+"""How a rank's processes and files end: private temp folders, the store's listening socket.
 
-Runs as root on these machines (the temp-folder tests act as another user, uid 65534, through ``user=``);
-skipped elsewhere. Every folder, link, job and process a test makes is removed on its way out.
+The temp-folder tests act as another user (uid 65534, through ``user=``): they need root (these machines
+give it) and are skipped elsewhere. Every folder, link, job and process a test makes is removed on its way out.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import stat
 import subprocess
 import tempfile
 
+import psutil
 import pytest
 from _cluster import local_client, run
 
+import dask_ddp
 from dask_ddp.worker import tmpdirs
 
 NOBODY = 65534  # another local user
@@ -163,3 +165,51 @@ def test_another_user_who_made_the_root_first_cannot_read_a_ranks_files(planted)
     for name in os.listdir(base):  # the worker's own roots, whatever the test's outcome
         if name == f"ddp-w{pid}" or name.startswith(f"ddp-w{pid}-"):
             _remove(os.path.join(base, name))
+
+
+# ---- the store's listening socket stays in rank 0 -----------------------------------------------------------
+
+def _children_of_rank_0_and_the_store():
+    """On rank 0 (the store's host): which of the processes it starts hold a listening socket on the store's
+    port: a subprocess (as Popen starts it, and with close_fds=False, as os.system does) and a forked
+    DataLoader worker."""
+    from torch.utils.data import DataLoader
+
+    ctx = dask_ddp.get_context()
+    if ctx.rank != 0:
+        return None
+    kids = {"Popen": subprocess.Popen(["sleep", "30"]),
+            "Popen(close_fds=False)": subprocess.Popen(["sleep", "30"], close_fds=False)}
+    pids = {name: p.pid for name, p in kids.items()}
+    loader = iter(DataLoader(_Pid(), num_workers=1, batch_size=None))
+    pids["DataLoader worker"] = int(next(loader))
+    try:
+        held = {name: sorted({c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
+                              if c.status == psutil.CONN_LISTEN}) for name, pid in pids.items()}
+        own = sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN})
+    finally:
+        for p in kids.values():
+            p.kill()
+            p.wait()
+        del loader
+    return {"port": ctx.master_port, "rank 0": own, **held}
+
+
+class _Pid:
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+
+@pytest.mark.slow
+def test_the_stores_listening_socket_stays_in_rank_0(client):
+    """What rank 0 starts must not hold the store's listening socket: a helper that outlives rank 0 would keep
+    the port open, and ranks would connect to a store that never answers."""
+    got = run(client, _children_of_rank_0_and_the_store).result(timeout=120)[0]
+    print(got)
+    port = got.pop("port")
+    assert port in got.pop("rank 0")
+    assert {name: port in ports for name, ports in got.items()} == dict.fromkeys(got, False), got

@@ -88,8 +88,10 @@ def open_store(send: Callable, task: RankTask, master_port: int | None):
     if spec.rank == 0:
         sock = network.listen(task.master_addr, rank=0, worker=spec.address)
         host, port = sock.getsockname()[:2]
+        fd = sock.detach()  # the store owns it now
         store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
+                              wait_for_workers=False, master_listen_fd=fd)
+        network.keep_from_forks(fd, port)
         send(Port(port))
     else:
         port = master_port
