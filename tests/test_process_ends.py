@@ -1,4 +1,5 @@
-"""How a rank's processes and files end: private temp folders, the store's listening socket.
+"""How a rank's processes and files end: private temp folders, the store's listening socket, signals that
+never name a reused pid.
 
 The temp-folder tests act as another user (uid 65534, through ``user=``): they need root (these machines
 give it) and are skipped elsewhere. Every folder, link, job and process a test makes is removed on its way out.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -18,7 +20,7 @@ import pytest
 from _cluster import local_client, run
 
 import dask_ddp
-from dask_ddp.worker import tmpdirs
+from dask_ddp.worker import process, tmpdirs
 
 NOBODY = 65534  # another local user
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (uid 65534): needs root")
@@ -213,3 +215,41 @@ def test_the_stores_listening_socket_stays_in_rank_0(client):
     port = got.pop("port")
     assert port in got.pop("rank 0")
     assert {name: port in ports for name, ports in got.items()} == dict.fromkeys(got, False), got
+
+
+# ---- signals never name a pid that may have been reused -----------------------------------------------------
+
+def _record_signals(monkeypatch) -> list:
+    sent = []
+    for name in ("kill", "killpg"):
+        monkeypatch.setattr(os, name, lambda pid, sig, name=name: sent.append((name, pid, sig)))
+    return sent
+
+
+def test_a_reaped_rank_process_is_never_signalled_by_its_pid(monkeypatch):
+    """Once a rank process has been reaped its pid may belong to another process (or group) at once: ending it
+    must not signal that pid. A spawned rank, killed and reaped before the supervisor ends it."""
+    rank = process.RankProcess()
+    rank.proc.kill()
+    rank.proc.wait()
+    sent = _record_signals(monkeypatch)
+    rank.kill()
+    assert [s for s in sent if s[1] in (rank.pid, -rank.pid)] == []
+
+
+@pytest.mark.slow
+def test_a_forked_rank_reaped_by_its_zygote_is_never_signalled_by_its_pid(monkeypatch):
+    """The zygote reaps the ranks it forks; once it has, the worker must not signal the rank's pid."""
+    zygote = process.Zygote()
+    try:
+        assert zygote.wait_ready(120), "the zygote did not start"
+        rank = zygote.fork()
+        os.kill(rank.pid, signal.SIGKILL)  # an unreaped child of the zygote: its pid is still its own
+        assert rank.wait(10) == -signal.SIGKILL
+        sent = _record_signals(monkeypatch)
+        rank.kill()
+        monkeypatch.undo()
+        assert [s for s in sent if s[1] in (rank.pid, -rank.pid)] == []
+    finally:
+        monkeypatch.undo()
+        zygote.close()

@@ -3,7 +3,8 @@
 Runs in: the Dask worker process: the rank supervisor task (:mod:`.supervisor`, with its
 output pump :mod:`.pump` and its stop rules :mod:`.stopping`), the worker plugin that owns
 the zygote and the running ranks (:mod:`.plugin`), the rank processes as the worker sees
-them (:mod:`.process`), their private temporary folders (:mod:`.tmpdirs`), the per-host
+them (:mod:`.process`; their process groups, ended without naming a reused pid:
+:mod:`.groups`), their private temporary folders (:mod:`.tmpdirs`), the per-host
 event hub (:mod:`.hub`), the relay of a rank's events to Dask (:mod:`.relay`) and a leaving
 worker's grace period (:mod:`.leaving`).
 

@@ -10,7 +10,8 @@ Runs in: the Dask worker. Two ways to get a rank process, one interface
   false``, or when the zygote cannot start): seconds, for ``import torch``.
 
 Either runs in a process group of its own, so that killing the group also
-kills the DataLoader workers it started.
+kills the DataLoader workers it started; the group is signalled through a
+pidfd (:mod:`dask_ddp.worker.groups`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from multiprocessing.connection import Connection
 import dask
 
 from dask_ddp.wire.task import TOKEN_VARIABLE
+from dask_ddp.worker.groups import ProcessGroup, open_pidfd
 from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root  # their first home: here
 
 __all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots"]
@@ -74,9 +76,12 @@ class _Rank:
     conn: Connection
     stdout: object
     stderr: object
+    group: ProcessGroup
 
     def __init__(self):
         self._send_lock = threading.Lock()
+        self._end_lock = threading.Lock()
+        self._ended = False
         self.pumped = False  # whether a reader owns stdout/stderr (and closes them at their end)
 
     def send(self, msg) -> None:
@@ -85,12 +90,18 @@ class _Rank:
             self.conn.send(msg)
 
     def kill(self) -> None:
-        """SIGKILL the rank's whole process group (DataLoader workers included) and wait for it to end."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.wait(10)
+        """SIGKILL the rank's whole process group (DataLoader workers included) and wait for it to end.
+
+        Through :class:`~dask_ddp.worker.groups.ProcessGroup`: never to a pid that may have been reused.
+        Thread-safe: a second call waits for the first; then a no-op.
+        """
+        with self._end_lock:
+            if self._ended:
+                return
+            self.group.signal(signal.SIGKILL)
+            self.wait(10)
+            self.group.close()
+            self._ended = True
         self.conn.close()
         if not self.pumped:  # else its reader closes it: closing under a blocked readline() would block here,
             for stream in (self.stdout, self.stderr):  # as long as a helper that escaped holds the pipe open
@@ -110,6 +121,8 @@ class RankProcess(_Rank):
         child.close()
         self.conn = Connection(parent.detach())
         self.pid, self.stdout, self.stderr = self.proc.pid, self.proc.stdout, self.proc.stderr
+        # our child, not reaped yet: the pid is surely its own
+        self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: self.proc.returncode is not None)
 
     def alive(self) -> bool:
         """True while the process runs."""
@@ -133,6 +146,7 @@ class Zygote:
             stdin=subprocess.DEVNULL, start_new_session=True, env=_rank_environment())
         child.close()
         self.pid = self.proc.pid
+        self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: self.proc.returncode is not None)
         self.sock = parent
         self._replies = Connection(os.dup(parent.fileno()), writable=False)
         self._cond = threading.Condition()
@@ -192,6 +206,7 @@ class Zygote:
                             not self._forked:
                         raise OSError(f"the zygote (pid {self.pid}) did not fork a rank: {self._error or 'no answer'}")
                     pid = self._forked.pop()
+            pidfd = _own_pidfd(ours, pid, timeout)
         except BaseException:
             ours.close()
             for fd in (out_r, err_r):
@@ -201,7 +216,7 @@ class Zygote:
             theirs.close()
             for fd in (out_w, err_w):
                 os.close(fd)
-        return ForkedRank(self, pid, Connection(ours.detach()), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+        return ForkedRank(self, pid, pidfd, Connection(ours.detach()), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
 
     def exit_code(self, pid: int, timeout: float) -> int | None:
         """The exit code of child ``pid`` once the zygote has reaped it (None: not within ``timeout``)."""
@@ -212,38 +227,61 @@ class Zygote:
     def close(self) -> None:
         """Stop the zygote (its children notice and die)."""
         self.sock.close()
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self.group.signal(signal.SIGKILL)  # it holds no shared memory: no grace
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        self.group.close()
         self._replies.close()
+
+
+def _own_pidfd(sock: socket.socket, pid: int, timeout: float) -> int | None:
+    """The pidfd that a rank forked by the zygote sends of itself, first thing on its socket (None where the
+    kernel has none). The zygote reaps its children: a pid the worker opened itself might be another's by then.
+
+    Raises OSError: the rank did not send it within ``timeout`` s (it died, or hangs).
+    """
+    sock.settimeout(timeout)
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    finally:
+        sock.settimeout(None)
+    if msg != b"P":
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the rank forked by the zygote (pid {pid}) ended before it said it runs")
+    return fds[0] if fds else None
 
 
 class ForkedRank(_Rank):
     """A rank process forked by the worker's :class:`Zygote` (its parent is the zygote, not the worker)."""
 
-    def __init__(self, zygote: Zygote, pid: int, conn: Connection, stdout, stderr):
+    def __init__(self, zygote: Zygote, pid: int, pidfd: int | None, conn: Connection, stdout, stderr):
         super().__init__()
         self.zygote, self.pid, self.conn, self.stdout, self.stderr = zygote, pid, conn, stdout, stderr
         self._code: int | None = None
+        self.group = ProcessGroup(pid, pidfd, self._exit_known)
+
+    def _exit_known(self) -> bool:
+        """Whether its end is known: the zygote reported it (then the pid may be another's), or with the
+        zygote gone (nobody reaps it) the kernel no longer has the pid (without a pidfd: see ProcessGroup)."""
+        if self._code is not None:
+            return True
+        with self.zygote._cond:
+            if self.pid in self.zygote.exits:
+                return True
+        if self.zygote.alive():
+            return False
+        try:
+            os.kill(self.pid, 0)  # sends nothing
+        except ProcessLookupError:
+            return True
+        return False
 
     def alive(self) -> bool:
         """True while the process runs (the zygote has not reported its end)."""
-        if self._code is not None:
-            return False
-        with self.zygote._cond:
-            if self.pid in self.zygote.exits:
-                return False
-        if not self.zygote.alive():  # nobody reaps it: ask the kernel
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-        return True
+        return not self.group.leader_exited()
 
     def wait(self, timeout: float) -> int | None:
         """Its exit code once it has ended (negative: killed by that signal), None if not within ``timeout``."""
