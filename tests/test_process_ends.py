@@ -1,5 +1,5 @@
 """How a rank's processes and files end: private temp folders, the store's listening socket, signals that
-never name a reused pid.
+never name a reused pid, and clean ends on a cancel (SIGTERM, a grace, SIGKILL).
 
 The temp-folder tests act as another user (uid 65534, through ``user=``): they need root (these machines
 give it) and are skipped elsewhere. Every folder, link, job and process a test makes is removed on its way out.
@@ -8,16 +8,19 @@ give it) and are skipped elsewhere. Every folder, link, job and process a test m
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
+import time
 
 import psutil
 import pytest
-from _cluster import local_client, run
+from _cluster import leftover_processes, local_client, rank_process_pids, run, wait_until
 
 import dask_ddp
 from dask_ddp.worker import process, tmpdirs
@@ -253,3 +256,236 @@ def test_a_forked_rank_reaped_by_its_zygote_is_never_signalled_by_its_pid(monkey
     finally:
         monkeypatch.undo()
         zygote.close()
+
+
+# ---- clean process ends -------------------------------------------------------------------------------------
+
+SHM = "/dev/shm"
+
+
+def _rank_group(client) -> list[psutil.Process]:
+    """Every process of the running ranks: each rank and what it started (DataLoader workers, the resource
+    tracker, helpers)."""
+    procs = []
+    for got in rank_process_pids(client).values():
+        for pid in got["running"]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank = psutil.Process(pid)
+                procs += [rank] + rank.children(recursive=True)
+    return procs
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def _cancel_and_time(job, procs: list[psutil.Process], bound: float) -> float:
+    """Cancel ``job``; the seconds until every process in ``procs`` has ended (fails past ``bound``)."""
+    t0 = time.monotonic()
+    job.cancel()
+    wait_until(lambda: not _running(procs), bound, interval=0.02, what="every rank process ended")
+    return time.monotonic() - t0
+
+
+class _Forever:
+    """An endless map-style dataset of small tensors (its items cross from DataLoader workers to the rank)."""
+
+    def __len__(self):
+        return 10**9
+
+    def __getitem__(self, i):
+        import torch
+
+        return torch.full((64,), float(i))
+
+
+def _hold_shared_memory(folder):
+    """Two shared memory segments and two named semaphores (as a spawn-context DataLoader's queues use), both
+    tracked by the rank's resource tracker; then a DataLoader with 2 workers, until cancelled."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    from torch.utils.data import DataLoader
+
+    rank = dask_ddp.get_context().rank
+    segments = [shared_memory.SharedMemory(create=True, size=4096) for _ in range(2)]
+    semaphores = [mp.get_context("spawn").Semaphore() for _ in range(2)]
+    names = [s.name for s in segments] + ["sem." + s._semlock.name.lstrip("/") for s in semaphores]
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(names, f)
+    for step, _ in enumerate(DataLoader(_Forever(), num_workers=2, batch_size=None)):
+        dask_ddp.report(step=step)
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_a_cancelled_rank_leaves_no_shared_memory(client, tmp_path):
+    """Seen: 2 segments and 2 semaphores left in /dev/shm after a cancel (the whole group was SIGKILLed, the
+    resource tracker too). Now the group gets SIGTERM first: the tracker (which ignores it) outlives the rank
+    and its DataLoader workers and removes what they held."""
+    job = run(client, _hold_shared_memory, str(tmp_path))
+    names: list[str] = []
+    try:
+        wait_until(lambda: len(list(tmp_path.glob("rank*.json"))) == 2 and not job.metrics.empty
+                   and job.metrics["rank"].nunique() == 2, 120, what="both ranks in their DataLoader loop")
+        names = [n for f in sorted(tmp_path.glob("rank*.json")) for n in json.loads(f.read_text())]
+        assert len(names) == 8 and all(os.path.exists(os.path.join(SHM, n)) for n in names), names
+        procs = _rank_group(client)
+        assert len(procs) >= 2 * 4, [p.cmdline() for p in procs]  # rank, 2 loader workers, tracker: per rank
+        took = _cancel_and_time(job, procs, process.STOP_GRACE + 5)
+        print(f"cancel() to every rank process ended: {took:.2f} s ({len(procs)} processes)")
+        assert job.state == "CANCELLED"
+        left = [n for n in names if os.path.exists(os.path.join(SHM, n))]
+        assert not left, f"left in {SHM} after the cancel: {left}"
+        assert leftover_processes(client) == []
+    finally:
+        job.cancel()
+        for n in names:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM, n))
+
+
+def _deaf_to_sigterm(helper_code):
+    """A rank (and a helper it started) that ignore SIGTERM: only SIGKILL ends them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    subprocess.Popen([sys.executable, "-c", helper_code])
+    step = 0
+    while True:
+        dask_ddp.report(step=step)
+        step += 1
+        time.sleep(0.05)
+
+
+DEAF_HELPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+
+
+@pytest.mark.slow
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(client):
+    job = run(client, _deaf_to_sigterm, DEAF_HELPER)
+    try:
+        wait_until(lambda: len(_rank_group(client)) >= 4, 120, what="both ranks and their helpers running")
+        procs = _rank_group(client)
+        took = _cancel_and_time(job, procs, process.STOP_GRACE + 5)
+        print(f"cancel() to every process of ranks deaf to SIGTERM ended: {took:.2f} s")
+        assert job.state == "CANCELLED" and leftover_processes(client) == []
+    finally:
+        job.cancel()
+
+
+def _saves_when_preempted():
+    import torch
+
+    state = {"w": torch.zeros(4)}
+    dask_ddp.on_preemption(lambda: state)  # this rank takes part in preemption: SIGTERM would be a notice
+    step = 0
+    while True:
+        dask_ddp.report(step=step)
+        step += 1
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_cancel_is_no_preemption(client, tmp_path):
+    """The supervisor stops a rank on purpose: its SIGTERM must not start the preemption protocol (a save at an
+    agreed step, a restart): the rank ends at once and nothing is saved."""
+    job = run(client, _saves_when_preempted, checkpoint_dir=str(tmp_path), max_restarts=2)
+    try:
+        wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
+                   what="both ranks reporting")
+        procs = _rank_group(client)
+        took = _cancel_and_time(job, procs, process.STOP_GRACE + 5)
+        print(f"cancel() of ranks that can save to every rank process ended: {took:.2f} s")
+        assert job.state == "CANCELLED"
+        assert not list(tmp_path.rglob("*")), f"a cancel saved: {list(tmp_path.rglob('*'))}"
+        said = " ".join(cause for *_, cause in job.history) + " ".join(job.logs)
+        assert "SIGTERM" not in said and "preempt" not in said.lower(), said[-2000:]
+        assert leftover_processes(client) == []
+    finally:
+        job.cancel()
+
+
+def _waits_in_cpp():
+    """A rank that can save (its SIGTERM handler is dask-ddp's), its main thread in C++ for good: a Python
+    signal handler cannot run there."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    dask_ddp.on_preemption(lambda: {})
+    dask_ddp.report(step=0)
+    store = dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False, timeout=timedelta(seconds=600))
+    store.wait(["never set"])
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_in_cpp_ends_at_once_on_a_cancel(client):
+    """The usual reason to cancel: a rank waits in a collective (or store) forever. It ends at once, not after
+    the grace: a stop gives SIGTERM its default action, which needs no Python."""
+    job = run(client, _waits_in_cpp)
+    try:
+        wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
+                   what="both ranks waiting")
+        time.sleep(0.5)
+        procs = _rank_group(client)
+        took = _cancel_and_time(job, procs, process.STOP_GRACE + 5)
+        print(f"cancel() of ranks waiting in C++ to every rank process ended: {took:.2f} s")
+        assert took < process.STOP_GRACE, "the ranks were SIGKILLed after the grace: SIGTERM did not end them"
+        assert job.state == "CANCELLED" and leftover_processes(client) == []
+    finally:
+        job.cancel()
+
+
+SIGTERM_SCRIPT = """
+import os, signal, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from dask_ddp.rank import preemption
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
+preemption.on_preemption(lambda: {})  # this rank can save: a SIGTERM from outside is a preemption notice
+preemption.start(store, "127.0.0.1", store.port, 0, 1, lambda message: None, 5.0, "w",
+                 ending=lambda: sys.argv[1] == "ending")
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(1)
+print("notice:", store.get(preemption.KEY + "notice").decode(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", [True, False])
+def test_a_rank_that_is_ending_takes_sigterm_as_the_end_not_as_a_notice(ending):
+    """The SIGTERM handler's contract: a rank being ended on purpose dies of it at once; otherwise (the pod
+    is being stopped) it is a preemption notice."""
+    out = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, "ending" if ending else "notice"],
+                         capture_output=True, text=True, timeout=120)
+    if ending:
+        assert out.returncode == -signal.SIGTERM and "notice:" not in out.stdout, out.stdout + out.stderr[-2000:]
+    else:
+        assert out.returncode == 0 and "received SIGTERM" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_rank_knows_its_supervisor_hung_up_even_with_a_message_unread():
+    """The hang-up is what tells the rank's SIGTERM handler that a stop is on purpose: it must be seen at once
+    and whatever thread reads the socket (the supervisor hangs up before it signals)."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from dask_ddp.rank.main import _Channel
+
+    ours, theirs = socket.socketpair()
+    chan, sup = _Channel(Connection(theirs.detach())), Connection(ours.detach())
+    try:
+        assert not chan.ending()
+        sup.send("a message the rank has not read yet")
+        assert not chan.ending()
+        with socket.socket(fileno=os.dup(sup.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        assert chan.ending()
+        chan.send("dropped: nobody reads any more")  # no BrokenPipeError into the job's code
+    finally:
+        chan.conn.close()
+        sup.close()

@@ -38,11 +38,13 @@ class Joined:
     device_ids: list | None
 
 
-def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=None) -> Joined:
+def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=None,
+               ending: Callable[[], bool] = lambda: False) -> Joined:
     """Meet the other ranks of ``task``'s attempt: store, device, process group, every rank joined.
 
     ``send``: the channel to the supervisor (rank 0 sends its store's port there; the preemption protocol
-    its notices); ``sampler``: the rank's telemetry sampler, told the device.
+    its notices); ``sampler``: the rank's telemetry sampler, told the device; ``ending()``: whether the rank
+    is being ended on purpose (then a SIGTERM is no preemption notice).
 
     Raises
     ------
@@ -68,7 +70,7 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
                             device_id=device if backend == "nccl" else None)  # nccl: collectives on it
     join(store, spec.world_size)
     preemption.start(store, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
-                     preemption.grace_period(), spec.address)
+                     preemption.grace_period(), spec.address, ending=ending)
     return Joined(store, backend, device, device_ids)
 
 

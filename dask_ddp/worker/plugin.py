@@ -228,8 +228,8 @@ class RankHost(WorkerPlugin):
         deadline = time.monotonic() + wait
         while not all(s.ended.is_set() for s in sups) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for sup in sups:
-            sup.kill()
+        # side by side, off the event loop: each may wait out its rank's grace (SIGTERM, then SIGKILL)
+        await asyncio.gather(*(asyncio.to_thread(sup.kill) for sup in sups))
 
     def __getstate__(self) -> dict:
         return {}

@@ -9,9 +9,9 @@ Runs in: the Dask worker. Two ways to get a rank process, one interface
 - :class:`RankProcess`, a fresh ``python -m dask_ddp.rank.main`` (``ddp.zygote:
   false``, or when the zygote cannot start): seconds, for ``import torch``.
 
-Either runs in a process group of its own, so that killing the group also
-kills the DataLoader workers it started; the group is signalled through a
-pidfd (:mod:`dask_ddp.worker.groups`).
+Either runs in a process group of its own, so that ending the group also
+ends the DataLoader workers it started: SIGTERM, a grace, then SIGKILL
+(:meth:`_Rank.kill`), signalled through a pidfd (:mod:`dask_ddp.worker.groups`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from dask_ddp.wire.task import TOKEN_VARIABLE
 from dask_ddp.worker.groups import ProcessGroup, open_pidfd
 from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root  # their first home: here
 
-__all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots"]
+__all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots", "STOP_GRACE"]
+
+STOP_GRACE = 3.0  # seconds a rank process has, after SIGTERM, before SIGKILL (see _Rank.kill)
+TRACKER_WAIT = 1.0  # seconds the rank's resource tracker has, after the rank's SIGKILL, to remove what it leaked
 
 
 def _rank_environment() -> dict[str, str]:
@@ -70,7 +73,7 @@ def stop_marked(token: str) -> list[int]:
 
 
 class _Rank:
-    """What both kinds of rank process share: the socket to it and killing its process group."""
+    """What both kinds of rank process share: the socket to it and ending its process group."""
 
     pid: int
     conn: Connection
@@ -89,16 +92,29 @@ class _Rank:
         with self._send_lock:
             self.conn.send(msg)
 
-    def kill(self) -> None:
-        """SIGKILL the rank's whole process group (DataLoader workers included) and wait for it to end.
+    def kill(self, grace: float = STOP_GRACE) -> None:
+        """End the rank's whole process group (DataLoader workers and helpers included) and wait for it.
 
-        Through :class:`~dask_ddp.worker.groups.ProcessGroup`: never to a pid that may have been reused.
-        Thread-safe: a second call waits for the first; then a no-op.
+        1. Hang up the socket: the rank then ends its group itself, and takes the SIGTERM that follows for what
+           it is, a stop on purpose, not a preemption notice (see :func:`dask_ddp.rank.main._die`).
+        2. SIGTERM to the group, then up to ``grace`` s until no member runs. The group's resource tracker
+           ignores SIGTERM: it outlives the others and removes the shared memory and semaphores they leaked
+           (SIGKILL to the whole group at once killed it too, and they stayed in /dev/shm).
+        3. If some still run: SIGKILL to the rank alone, up to :data:`TRACKER_WAIT` s for the tracker to clean
+           up after it, then SIGKILL to the group.
+
+        Every signal goes through :class:`~dask_ddp.worker.groups.ProcessGroup`, never to a pid that may have
+        been reused. Thread-safe: a second call waits for the first; then a no-op.
         """
         with self._end_lock:
             if self._ended:
                 return
-            self.group.signal(signal.SIGKILL)
+            self._hang_up()
+            self.group.signal(signal.SIGTERM)
+            if not self.group.wait(grace):
+                self.group.signal_leader(signal.SIGKILL)
+                if not self.group.wait(TRACKER_WAIT):
+                    self.group.signal(signal.SIGKILL)
             self.wait(10)
             self.group.close()
             self._ended = True
@@ -106,6 +122,13 @@ class _Rank:
         if not self.pumped:  # else its reader closes it: closing under a blocked readline() would block here,
             for stream in (self.stdout, self.stderr):  # as long as a helper that escaped holds the pipe open
                 stream.close()
+
+    def _hang_up(self) -> None:
+        try:  # a shutdown, not a close: another thread may be reading (it gets EOF)
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already, or the rank is gone
+            pass
 
 
 class RankProcess(_Rank):

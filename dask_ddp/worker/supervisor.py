@@ -137,7 +137,8 @@ class Supervisor:
         self.rule.stop(reason)
 
     def kill(self) -> None:
-        """Kill the rank's process now (what :meth:`stop` did not end in time)."""
+        """End the rank's processes now (what :meth:`stop` did not end in time): SIGTERM to its group, a grace,
+        then SIGKILL (:meth:`RankProcess.kill <dask_ddp.worker.process.RankProcess.kill>`)."""
         if self.child is not None:
             self.child.kill()
 
