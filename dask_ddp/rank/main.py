@@ -8,14 +8,17 @@ the supervisor on file descriptor FD. torch is imported before a job comes;
 the rank then waits for a :class:`~dask_ddp.wire.messages.Start`. The messages
 both ways are the types of :mod:`dask_ddp.wire.messages`.
 
-The child kills its whole process group (itself and its DataLoader workers)
-when the socket closes or its Dask worker process is gone, so a dead
-supervisor or Dask worker never leaves a rank behind.
+The child ends its whole process group (itself and its DataLoader workers)
+when the socket closes (its supervisor hangs up: a cancel, a stop, the end of
+the job) or its Dask worker process is gone, so a dead supervisor or Dask
+worker never leaves a rank behind (:func:`_die`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -42,9 +45,40 @@ from dask_ddp.wire.messages import (
 )
 from dask_ddp.wire.task import RankTask
 
+DIE_GRACE = 5.0  # seconds, after SIGTERM, before this rank SIGKILLs its own group: longer than its supervisor's
+# STOP_GRACE + TRACKER_WAIT (dask_ddp.worker.process), whose own ending spares the resource tracker longer
+_ENDING = threading.Event()  # this rank is ending: a SIGTERM is no preemption notice
+
 
 def _die() -> None:
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    """End this rank and its process group: its supervisor hung up, or its Dask worker is gone.
+
+    SIGTERM to the group, this process included: the DataLoader workers and helpers end, and the group's
+    resource tracker, which ignores SIGTERM, outlives them and removes the shared memory and semaphores they
+    leaked (SIGKILL to the whole group killed it too). Where SIGTERM does what dask-ddp set, this process
+    takes its default action at once, even while its main thread waits in a collective (a Python handler,
+    the preemption protocol's, would run only once that thread is back in Python); a handler of the job's
+    own code (or SIG_IGN) is left to do as it says. SIGKILL to the group comes only if this process is still
+    there after :data:`DIE_GRACE`.
+    """
+    _ENDING.set()
+    if preemption.sigterm_is_ours():
+        _default_sigterm()
+    with contextlib.suppress(OSError):
+        os.killpg(0, signal.SIGTERM)  # 0: this process's own group (no pid that could be another's)
+    time.sleep(DIE_GRACE)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _default_sigterm() -> None:
+    """Give SIGTERM its default action (end the process) from any thread: ``signal.signal`` may only be
+    called in the main thread. Python's own record of its handler is left stale: this process is ending."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).signal(signal.SIGTERM, 0)  # SIG_DFL
+    except (OSError, AttributeError):  # no C library to call: the handler ends it (see preemption.start)
+        pass
 
 
 def _die_with_parent() -> None:
@@ -82,7 +116,25 @@ class _Channel:
 
     def send(self, msg) -> None:
         with self._lock:
-            self.conn.send(msg)
+            try:
+                self.conn.send(msg)
+            except OSError:
+                if self.ending():  # the supervisor hung up: nobody reads any more (a rank deaf to SIGTERM
+                    return  # runs on until SIGKILL; its reports must not fail it meanwhile)
+                raise
+
+    def ending(self) -> bool:
+        """Whether this rank is ending on purpose: :func:`_die` runs, or its supervisor has hung up. Read in
+        the SIGTERM handler (see :func:`dask_ddp.rank.preemption.start`): the supervisor hangs up before it
+        sends SIGTERM, so a stop is never taken for a preemption notice, whichever thread sees it first."""
+        if _ENDING.is_set():
+            return True
+        try:
+            poller = select.poll()
+            poller.register(self.conn.fileno(), getattr(select, "POLLRDHUP", 0) | select.POLLHUP)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed: it is ending
+            return True
 
     def listen(self) -> None:
         """Serve the supervisor's requests in a daemon thread; die when the socket closes."""
@@ -127,7 +179,7 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         os.environ.update(task.env)
         fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
         pickling.expose_main(fn, *args, *kwargs.values())  # the notebook's functions, as __main__.<name>
-        joined.append(rendezvous(chan.send, task, master_port, sampler))
+        joined.append(rendezvous(chan.send, task, master_port, sampler, ending=chan.ending))
         context._set_context(context_of(task, joined[0]))
         return fn(*args, **kwargs)
 

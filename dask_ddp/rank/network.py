@@ -4,7 +4,8 @@ Runs in: the rank process (at rendezvous).
 
 - :func:`listen` binds rank 0's rendezvous store to one address (torch's
   libuv store binds every interface, IPv4 and IPv6, whatever host it is
-  given; a socket bound here and handed over as ``master_listen_fd`` is not).
+  given; a socket bound here and handed over as ``master_listen_fd`` is not);
+  :func:`keep_from_forks` keeps it out of the children the rank forks.
 - :func:`pin_interfaces` sets ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` /
   ``TP_SOCKET_IFNAME`` to the interface that carries the worker's address.
   gloo otherwise resolves the host name, and where that name maps to
@@ -30,7 +31,7 @@ import psutil
 
 from dask_ddp.wire.errors import RendezvousError
 
-__all__ = ["IFNAME_VARIABLES", "resolve", "interface_of", "pin_interfaces", "listen"]
+__all__ = ["IFNAME_VARIABLES", "resolve", "interface_of", "pin_interfaces", "listen", "keep_from_forks"]
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
@@ -108,5 +109,26 @@ def listen(host: str, *, rank: int, worker: str) -> socket.socket:
         raise RendezvousError(f"rank {rank} on worker {worker} hosts the rendezvous store, but {host!r} ({ip}) "
                               f"{why}; leave master_addr unset (rank 0's address) or pass one of rank 0's "
                               "addresses") from None
-    sock.set_inheritable(True)
-    return sock
+    return sock  # not inheritable (Python's default): what the rank execs does not get it (see keep_from_forks)
+
+
+def keep_from_forks(fd: int, port: int) -> None:
+    """Let no child that this process forks (a DataLoader worker, a ``fork`` multiprocessing child) keep the
+    store's listening socket ``fd`` (on ``port``): right after a fork, the child's copy becomes /dev/null.
+
+    A child holding it keeps the port open after rank 0 has gone: the other ranks' connections are then
+    accepted by the kernel and never answered, and they wait out their timeout instead of failing at once.
+    (What the rank execs never gets it: the socket is not inheritable.) The number stays taken in the child, so
+    nothing else of the child's gets it; a descriptor that is no longer that socket is left alone.
+    """
+    def in_child() -> None:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as probe:
+                if not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or probe.getsockname()[1] != port:
+                    return
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, fd, inheritable=False)
+            os.close(null)
+        except OSError:  # closed, or not a socket: not the store's any more
+            pass
+    os.register_at_fork(after_in_child=in_child)

@@ -84,6 +84,14 @@ _SAVE: tuple[Callable[[], dict], dict] | None = None
 _EARLY: Notice | None = None  # a notice that came before start()
 _POLLED = False  # the code called preempted(): it saves by itself
 _WATCHER: threading.Thread | None = None  # this rank's watcher of the notice key
+_ON_SIGTERM: Callable | None = None  # the SIGTERM handler start() installed
+
+
+def sigterm_is_ours() -> bool:
+    """Whether SIGTERM does what dask-ddp set (the default, or :func:`start`'s handler), not what the job's
+    code set (its own handler, or SIG_IGN): a rank that ends on purpose then lets SIGTERM end it at once."""
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler is signal.SIG_DFL or (handler is not None and handler is _ON_SIGTERM)
 
 
 def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
@@ -125,25 +133,29 @@ def can_save() -> bool:
 
 # ---- the rank process's side -------------------------------------------------------------------------
 def start(store, master_addr: str, port: int, rank: int, world_size: int, send: Callable, grace: float,
-          worker: str = "", prefix: str = "") -> None:
+          worker: str = "", prefix: str = "", ending: Callable[[], bool] = lambda: False) -> None:
     """Set up this rank (in its main thread): the SIGTERM handler and the watcher of the store's notice key.
 
     ``store``: the job's store under the attempt's secret ``prefix`` (the watcher opens its own connection to
-    ``master_addr:port`` and uses the same prefix)."""
+    ``master_addr:port`` and uses the same prefix). A SIGTERM is a notice unless ``ending()``: the rank's
+    supervisor ends it on purpose (a cancel, a stop: it hangs up first) or it ends itself; then, as in a
+    DataLoader worker or code that cannot save, it dies.
+    """
     global _RANK
     _RANK = _Rank(store, rank, world_size, send, grace)
     owner = os.getpid()
 
     def on_sigterm(signum, frame):
-        if os.getpid() != owner or not can_save():  # a DataLoader worker, or code that cannot save: die
+        if os.getpid() != owner or ending() or not can_save():  # a DataLoader worker, a stop, code that cannot save
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         announce(Notice(time.time() + grace, f"rank {rank}'s process on worker {worker} received SIGTERM", worker,
                         "signal"), thread=True)
 
+    global _ON_SIGTERM, _WATCHER
+    _ON_SIGTERM = on_sigterm
     signal.signal(signal.SIGTERM, on_sigterm)
-    global _WATCHER
     _WATCHER = threading.Thread(target=_watch, args=(master_addr, port, prefix), name="dask-ddp-notice",
                                 daemon=True)
     _WATCHER.start()

@@ -39,11 +39,13 @@ class Joined:
     device_ids: list | None
 
 
-def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=None) -> Joined:
+def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=None,
+               ending: Callable[[], bool] = lambda: False) -> Joined:
     """Meet the other ranks of ``task``'s attempt: store, device, process group, every rank joined.
 
     ``send``: the channel to the supervisor (rank 0 sends its store's port there; the preemption protocol
-    its notices); ``sampler``: the rank's telemetry sampler, told the device.
+    its notices); ``sampler``: the rank's telemetry sampler, told the device; ``ending()``: whether the rank
+    is being ended on purpose (then a SIGTERM is no preemption notice).
 
     Raises
     ------
@@ -70,7 +72,7 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
                             device_id=device if backend == "nccl" else None)  # nccl: collectives on it
     join(keys, spec.world_size)
     preemption.start(keys, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
-                     preemption.grace_period(), spec.address, prefix=task.store_prefix)
+                     preemption.grace_period(), spec.address, prefix=task.store_prefix, ending=ending)
     return Joined(store, keys, backend, device, device_ids)
 
 
@@ -90,8 +92,10 @@ def open_store(send: Callable, task: RankTask, master_port: int | None):
     if spec.rank == 0:
         sock = network.listen(task.master_addr, rank=0, worker=spec.address)
         host, port = sock.getsockname()[:2]
+        fd = sock.detach()  # the store owns it now
         store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
+                              wait_for_workers=False, master_listen_fd=fd)
+        network.keep_from_forks(fd, port)
         send(Port(port))
     else:
         port = master_port

@@ -20,7 +20,9 @@ OpenBLAS re-creates it in the child, as in every forked DataLoader worker.
 
 Protocol on the socket to the worker (``FD``): the worker sends ``b"F"`` with
 three file descriptors (the rank's end of its supervisor socket, its stdout
-and its stderr); the zygote forks and answers ``("forked", pid)``. When a
+and its stderr); the zygote forks and answers ``("forked", pid)``. The new
+rank's first bytes on its supervisor socket are ``b"P"`` with a pidfd of
+itself, for the worker to signal it by. When a
 child ends, the zygote reaps it and sends ``("exit", pid, code)`` (a negative
 code: killed by that signal). Replies are pickles framed as by
 ``multiprocessing.connection``. The zygote exits when the socket closes (its
@@ -63,6 +65,7 @@ def _become_rank(ctl: socket.socket, replies: Connection, wake: tuple[int, int],
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()  # a process group of its own: killing it kills its DataLoader workers too
+        _send_own_pidfd(chan)
         os.dup2(out, 1)
         os.dup2(err, 2)
         os.close(out)
@@ -74,6 +77,25 @@ def _become_rank(ctl: socket.socket, replies: Connection, wake: tuple[int, int],
         rank.serve(chan)
     except BaseException:  # noqa: BLE001 - a child must never return into the zygote's loop
         os._exit(70)
+
+
+def _send_own_pidfd(fd: int) -> None:
+    """First thing on the rank's socket: ``b"P"`` with a pidfd of this process (none where the kernel has none).
+
+    The worker ends the rank through it (:mod:`dask_ddp.worker.groups`): the zygote reaps its children, so a
+    pid the worker looked up itself might, by then, be another process's.
+    """
+    try:
+        own = [os.pidfd_open(os.getpid())]
+    except (AttributeError, OSError):
+        own = []
+    sock = socket.socket(fileno=fd)
+    try:
+        socket.send_fds(sock, [b"P"], own)
+    finally:
+        sock.detach()
+        for pidfd in own:
+            os.close(pidfd)
 
 
 def _reseed() -> None:

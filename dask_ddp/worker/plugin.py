@@ -34,12 +34,8 @@ from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.hub import HANDLER, Hubs
 from dask_ddp.worker.leaving import RANK_HOST, drain
 from dask_ddp.worker.leaving import register as leave_gracefully
-from dask_ddp.worker.process import (
-    RankProcess,
-    Zygote,
-    sweep_tmp_roots,
-    worker_tmp_root,
-)
+from dask_ddp.worker.process import RankProcess, Zygote
+from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root
 
 
 class Supervisor(Protocol):
@@ -232,8 +228,8 @@ class RankHost(WorkerPlugin):
         deadline = time.monotonic() + wait
         while not all(s.ended.is_set() for s in sups) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for sup in sups:
-            sup.kill()
+        # side by side, off the event loop: each may wait out its rank's grace (SIGTERM, then SIGKILL)
+        await asyncio.gather(*(asyncio.to_thread(sup.kill) for sup in sups))
 
     def __getstate__(self) -> dict:
         return {}

@@ -9,19 +9,18 @@ Runs in: the Dask worker. Two ways to get a rank process, one interface
 - :class:`RankProcess`, a fresh ``python -m dask_ddp.rank.main`` (``ddp.zygote:
   false``, or when the zygote cannot start): seconds, for ``import torch``.
 
-Either runs in a process group of its own, so that killing the group also
-kills the DataLoader workers it started.
+Either runs in a process group of its own, so that ending the group also
+ends the DataLoader workers it started: SIGTERM, a grace, then SIGKILL
+(:meth:`_Rank.kill`), signalled through a pidfd (:mod:`dask_ddp.worker.groups`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -29,8 +28,13 @@ from multiprocessing.connection import Connection
 import dask
 
 from dask_ddp.wire.task import TOKEN_VARIABLE
+from dask_ddp.worker.groups import ProcessGroup, open_pidfd
+from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root  # their first home: here
 
-__all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots"]
+__all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots", "STOP_GRACE"]
+
+STOP_GRACE = 3.0  # seconds a rank process has, after SIGTERM, before SIGKILL (see _Rank.kill)
+TRACKER_WAIT = 1.0  # seconds the rank's resource tracker has, after the rank's SIGKILL, to remove what it leaked
 
 
 def _rank_environment() -> dict[str, str]:
@@ -68,48 +72,19 @@ def stop_marked(token: str) -> list[int]:
     return killed
 
 
-def worker_tmp_root() -> str:
-    """This worker process's folder of rank TMPDIRs, ``<system temp>/ddp-w<pid>``, made if missing.
-
-    A worker killed with its ranks leaves it behind; the next worker's :class:`~dask_ddp.worker.plugin.RankHost`
-    removes the folders of workers that are gone (:func:`sweep_tmp_roots`).
-    """
-    root = os.path.join(tempfile.gettempdir(), f"ddp-w{os.getpid()}")
-    os.makedirs(root, exist_ok=True)
-    return root
-
-
-def sweep_tmp_roots() -> list[str]:
-    """Remove the rank TMPDIR folders of worker processes that no longer run; return what was removed.
-
-    Raises nothing (best effort: a pid reused by another process keeps its folder until that one ends).
-    """
-    import psutil
-
-    removed = []
-    base = tempfile.gettempdir()
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return removed
-    for name in names:
-        pid = name[len("ddp-w"):] if name.startswith("ddp-w") else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-            removed.append(name)
-    return removed
-
-
 class _Rank:
-    """What both kinds of rank process share: the socket to it and killing its process group."""
+    """What both kinds of rank process share: the socket to it and ending its process group."""
 
     pid: int
     conn: Connection
     stdout: object
     stderr: object
+    group: ProcessGroup
 
     def __init__(self):
         self._send_lock = threading.Lock()
+        self._end_lock = threading.Lock()
+        self._ended = False
         self.pumped = False  # whether a reader owns stdout/stderr (and closes them at their end)
 
     def send(self, msg) -> None:
@@ -117,17 +92,43 @@ class _Rank:
         with self._send_lock:
             self.conn.send(msg)
 
-    def kill(self) -> None:
-        """SIGKILL the rank's whole process group (DataLoader workers included) and wait for it to end."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.wait(10)
+    def kill(self, grace: float = STOP_GRACE) -> None:
+        """End the rank's whole process group (DataLoader workers and helpers included) and wait for it.
+
+        1. Hang up the socket: the rank then ends its group itself, and takes the SIGTERM that follows for what
+           it is, a stop on purpose, not a preemption notice (see :func:`dask_ddp.rank.main._die`).
+        2. SIGTERM to the group, then up to ``grace`` s until no member runs. The group's resource tracker
+           ignores SIGTERM: it outlives the others and removes the shared memory and semaphores they leaked
+           (SIGKILL to the whole group at once killed it too, and they stayed in /dev/shm).
+        3. If some still run: SIGKILL to the rank alone, up to :data:`TRACKER_WAIT` s for the tracker to clean
+           up after it, then SIGKILL to the group.
+
+        Every signal goes through :class:`~dask_ddp.worker.groups.ProcessGroup`, never to a pid that may have
+        been reused. Thread-safe: a second call waits for the first; then a no-op.
+        """
+        with self._end_lock:
+            if self._ended:
+                return
+            self._hang_up()
+            self.group.signal(signal.SIGTERM)
+            if not self.group.wait(grace):
+                self.group.signal_leader(signal.SIGKILL)
+                if not self.group.wait(TRACKER_WAIT):
+                    self.group.signal(signal.SIGKILL)
+            self.wait(10)
+            self.group.close()
+            self._ended = True
         self.conn.close()
         if not self.pumped:  # else its reader closes it: closing under a blocked readline() would block here,
             for stream in (self.stdout, self.stderr):  # as long as a helper that escaped holds the pipe open
                 stream.close()
+
+    def _hang_up(self) -> None:
+        try:  # a shutdown, not a close: another thread may be reading (it gets EOF)
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already, or the rank is gone
+            pass
 
 
 class RankProcess(_Rank):
@@ -143,6 +144,8 @@ class RankProcess(_Rank):
         child.close()
         self.conn = Connection(parent.detach())
         self.pid, self.stdout, self.stderr = self.proc.pid, self.proc.stdout, self.proc.stderr
+        # our child, not reaped yet: the pid is surely its own
+        self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: self.proc.returncode is not None)
 
     def alive(self) -> bool:
         """True while the process runs."""
@@ -166,6 +169,7 @@ class Zygote:
             stdin=subprocess.DEVNULL, start_new_session=True, env=_rank_environment())
         child.close()
         self.pid = self.proc.pid
+        self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: self.proc.returncode is not None)
         self.sock = parent
         self._replies = Connection(os.dup(parent.fileno()), writable=False)
         self._cond = threading.Condition()
@@ -225,6 +229,7 @@ class Zygote:
                             not self._forked:
                         raise OSError(f"the zygote (pid {self.pid}) did not fork a rank: {self._error or 'no answer'}")
                     pid = self._forked.pop()
+            pidfd = _own_pidfd(ours, pid, timeout)
         except BaseException:
             ours.close()
             for fd in (out_r, err_r):
@@ -234,7 +239,7 @@ class Zygote:
             theirs.close()
             for fd in (out_w, err_w):
                 os.close(fd)
-        return ForkedRank(self, pid, Connection(ours.detach()), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+        return ForkedRank(self, pid, pidfd, Connection(ours.detach()), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
 
     def exit_code(self, pid: int, timeout: float) -> int | None:
         """The exit code of child ``pid`` once the zygote has reaped it (None: not within ``timeout``)."""
@@ -245,38 +250,61 @@ class Zygote:
     def close(self) -> None:
         """Stop the zygote (its children notice and die)."""
         self.sock.close()
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self.group.signal(signal.SIGKILL)  # it holds no shared memory: no grace
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        self.group.close()
         self._replies.close()
+
+
+def _own_pidfd(sock: socket.socket, pid: int, timeout: float) -> int | None:
+    """The pidfd that a rank forked by the zygote sends of itself, first thing on its socket (None where the
+    kernel has none). The zygote reaps its children: a pid the worker opened itself might be another's by then.
+
+    Raises OSError: the rank did not send it within ``timeout`` s (it died, or hangs).
+    """
+    sock.settimeout(timeout)
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    finally:
+        sock.settimeout(None)
+    if msg != b"P":
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the rank forked by the zygote (pid {pid}) ended before it said it runs")
+    return fds[0] if fds else None
 
 
 class ForkedRank(_Rank):
     """A rank process forked by the worker's :class:`Zygote` (its parent is the zygote, not the worker)."""
 
-    def __init__(self, zygote: Zygote, pid: int, conn: Connection, stdout, stderr):
+    def __init__(self, zygote: Zygote, pid: int, pidfd: int | None, conn: Connection, stdout, stderr):
         super().__init__()
         self.zygote, self.pid, self.conn, self.stdout, self.stderr = zygote, pid, conn, stdout, stderr
         self._code: int | None = None
+        self.group = ProcessGroup(pid, pidfd, self._exit_known)
+
+    def _exit_known(self) -> bool:
+        """Whether its end is known: the zygote reported it (then the pid may be another's), or with the
+        zygote gone (nobody reaps it) the kernel no longer has the pid (without a pidfd: see ProcessGroup)."""
+        if self._code is not None:
+            return True
+        with self.zygote._cond:
+            if self.pid in self.zygote.exits:
+                return True
+        if self.zygote.alive():
+            return False
+        try:
+            os.kill(self.pid, 0)  # sends nothing
+        except ProcessLookupError:
+            return True
+        return False
 
     def alive(self) -> bool:
         """True while the process runs (the zygote has not reported its end)."""
-        if self._code is not None:
-            return False
-        with self.zygote._cond:
-            if self.pid in self.zygote.exits:
-                return False
-        if not self.zygote.alive():  # nobody reaps it: ask the kernel
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-        return True
+        return not self.group.leader_exited()
 
     def wait(self, timeout: float) -> int | None:
         """Its exit code once it has ended (negative: killed by that signal), None if not within ``timeout``."""

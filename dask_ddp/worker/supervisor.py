@@ -47,10 +47,11 @@ from dask_ddp.wire.notices import Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
-from dask_ddp.worker.process import RankProcess, stop_marked, worker_tmp_root
+from dask_ddp.worker.process import RankProcess, stop_marked
 from dask_ddp.worker.pump import PUMP_WAIT, OutputPump
 from dask_ddp.worker.relay import Relay, drop_topic
 from dask_ddp.worker.stopping import ORPHANED, STOPPED, StopRule
+from dask_ddp.worker.tmpdirs import worker_tmp_root
 
 __all__ = ["supervise", "Supervisor", "forget_attempt"]
 
@@ -137,7 +138,8 @@ class Supervisor:
         self.rule.stop(reason)
 
     def kill(self) -> None:
-        """Kill the rank's process now (what :meth:`stop` did not end in time)."""
+        """End the rank's processes now (what :meth:`stop` did not end in time): SIGTERM to its group, a grace,
+        then SIGKILL (:meth:`RankProcess.kill <dask_ddp.worker.process.RankProcess.kill>`)."""
         if self.child is not None:
             self.child.kill()
 

@@ -1,0 +1,131 @@
+"""A rank's process group, signalled and watched without ever naming a pid that may have been reused.
+
+Runs in: the Dask worker (for each rank process and the zygote, see :mod:`dask_ddp.worker.process`).
+
+A rank runs in a process group of its own (the DataLoader workers, the resource tracker and the helpers it
+starts are in it too). Once the rank has been reaped (by the worker, or by the zygote for a forked rank), its
+pid, which is also the group's id, may be given to another process: ``os.killpg(pid, ...)`` could then
+signal a stranger. So the group is held by a *pidfd* of its leader, opened while the leader was surely ours
+(an unreaped child, or a pidfd the rank sent of itself), and signalled with ``pidfd_send_signal(...,
+PIDFD_SIGNAL_PROCESS_GROUP)`` (Linux 6.9): the kernel resolves the group from the leader's own ``struct
+pid``, which no new process can have. Without that flag (Linux 5.3-6.8) the group is signalled by its id only
+while the pidfd shows the leader has not exited (its id is then still the group's); without pidfds at all,
+only while the exit is not known yet (``exited``). Where neither holds, nothing is sent: what is left of the
+group is found by the rank's token instead (:func:`dask_ddp.worker.process.stop_marked`).
+
+Whether a member still *runs* is read from ``/proc`` (zombies do not run: an orphaned member's zombie
+may wait seconds for init to reap it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import signal
+import threading
+import time
+from typing import Callable
+
+__all__ = ["ProcessGroup", "open_pidfd"]
+
+PIDFD_SIGNAL_PROCESS_GROUP = 4  # linux/pidfd.h (Linux 6.9+)
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (call only while ``pid`` is surely the process meant), or None where there are none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+class ProcessGroup:
+    """The process group led by ``pid`` (a process started in a session of its own).
+
+    ``pidfd``: a pidfd of the leader (owned by this object from now on), or None; ``exited()``: whether the
+    leader's exit is known (the fallback without pidfds). Thread-safe; :meth:`close` once done.
+    """
+
+    def __init__(self, pid: int, pidfd: int | None, exited: Callable[[], bool]):
+        self.pid, self._fd, self._exited = pid, pidfd, exited
+        self._lock = threading.Lock()
+        self._group_flag = pidfd is not None  # whether the kernel takes PIDFD_SIGNAL_PROCESS_GROUP
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every process of the group (what can be reached without naming a reused pid)."""
+        with self._lock:
+            if self._fd is not None and self._group_flag:
+                try:
+                    signal.pidfd_send_signal(self._fd, sig, None, PIDFD_SIGNAL_PROCESS_GROUP)
+                    return
+                except ProcessLookupError:  # nobody is left in the group
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:  # EPERM: not ours to signal
+                        return
+                    self._group_flag = False  # an older kernel: by the group's id, while it surely is ours
+            if not self._leader_exited():
+                try:
+                    os.killpg(self.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def signal_leader(self, sig: int) -> None:
+        """Send ``sig`` to the leader only (no-op once it has exited)."""
+        with self._lock:
+            if self._fd is not None:
+                try:
+                    signal.pidfd_send_signal(self._fd, sig)
+                except OSError:  # exited (and reaped), or not ours
+                    pass
+            elif not self._exited():
+                try:
+                    os.kill(self.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _leader_exited(self) -> bool:
+        if self._fd is not None:  # readable once the leader has exited (a zombie or reaped)
+            return bool(select.select([self._fd], [], [], 0)[0])
+        return self._exited()
+
+    def leader_exited(self) -> bool:
+        """Whether the leader has exited (ended, reaped or not)."""
+        with self._lock:
+            return self._leader_exited()
+
+    def running(self) -> list[int]:
+        """The pids of the group's members that still run (zombies do not)."""
+        found = []
+        try:
+            names = os.listdir("/proc")
+        except OSError:
+            return [] if self.leader_exited() else [self.pid]
+        for name in names:
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            if len(fields) > 2 and int(fields[2]) == self.pid and fields[0] not in (b"Z", b"X"):
+                found.append(int(name))
+        return found
+
+    def wait(self, timeout: float, interval: float = 0.05) -> bool:
+        """Wait up to ``timeout`` s until no member runs; True if none does."""
+        deadline = time.monotonic() + timeout
+        while self.running():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(interval)
+        return True
+
+    def close(self) -> None:
+        """Let go of the pidfd (signals after this go by the known exit only)."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
