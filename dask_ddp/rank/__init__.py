@@ -1,7 +1,8 @@
 """The rank wing: the rank process (one per rank per job) and its zygote.
 
 Runs in: the rank process, forked from its worker's warm zygote (:mod:`.zygote`) or started
-fresh: its main loop and rendezvous (:mod:`.main`), ``get_context()`` and the per-rank
+fresh: its main loop (:mod:`.main`), its rendezvous (:mod:`.rendezvous`), how its call
+ends (:mod:`.outcome`), ``get_context()`` and the per-rank
 helpers (:mod:`.context`), ``report()`` (:mod:`.reporting`), telemetry (:mod:`.telemetry`,
 :mod:`.collectives`), preemption inside a rank (:mod:`.preemption`), GPU placement
 (:mod:`.devices`) and where its store and collectives listen (:mod:`.network`).
