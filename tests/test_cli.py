@@ -308,6 +308,7 @@ SIBLINGS_SCRIPT = """
     with open(f"out-rank-{rank}.txt", "w") as f:  # a relative path: the rank's working directory
         f.write(str(rank))
     print("cwd", os.getcwd(), flush=True)
+    dist.barrier()  # as any training has collectives: a rank leaving at once races the other's connectFullMesh
     dist.destroy_process_group()
 """
 

@@ -141,7 +141,8 @@ def test_a_driver_that_cannot_start_is_a_failed_job_to_find(client):
         held.bind(("127.0.0.1", 0))  # bound, never listening: connecting is refused and the driver's client gives up
         address = f"tcp://127.0.0.1:{held.getsockname()[1]}"
         try:
-            detach._start(cloudpickle.dumps(spec), dask_scheduler=type("S", (), {"address": address})())
+            scheduler = type("S", (), {"address": address, "security": None})()
+            detach._start(cloudpickle.dumps(spec), dask_scheduler=scheduler)
             snap = wait_until(lambda: (s := detach._snapshot(spec.run_id, 0)) and s["settled"] and s, 30,
                               what="the driver's failure")
             assert [f["state"] for f in detach._find(spec.run_id)] == ["FAILED"]
