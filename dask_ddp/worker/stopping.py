@@ -80,7 +80,7 @@ class StopRule:
     def flag(self, which=None) -> bool:
         """The job's abort flag (or ``which``); an unreachable scheduler counts as set."""
         try:
-            return bool((which or self.abort).is_set())
+            return bool((self.abort if which is None else which).is_set())
         except Exception:  # noqa: BLE001 - scheduler unreachable
             return True
 
