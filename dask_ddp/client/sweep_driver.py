@@ -91,6 +91,7 @@ class Driver:
         self._line: list[int] = []  # asked, not started, in order
         self._busy: set[str] = set()
         self._asked = self.failures = self._passed = 0
+        self.exhausted = False  # the sampler has nothing left to ask (a walked grid)
         self._stop: str | None = None  # the sweep's end state once it is stopping
         self._look_at = 0.0  # monotonic time of the next look at the cluster
         self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{spec.name}", daemon=True)
@@ -126,8 +127,9 @@ class Driver:
                 return True
             return False
         self._fill()
-        if self._asked >= self.spec.n_trials and not self._line and not self._jobs:
-            self._finish("FINISHED", f"all {self.spec.n_trials} trials ended")
+        if (self._asked >= self.spec.n_trials or self.exhausted) and not self._line and not self._jobs:
+            self._finish("FINISHED", f"all {self._asked} trials ended" + (" (the grid is walked)" if
+                                                                          self.exhausted else ""))
             return True
         return False
 
@@ -177,10 +179,10 @@ class Driver:
         self._look_at = 0.0
         error = _job_error(job)
         if rec.pruned_at is not None:
-            frozen = self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            self._end(rec, "PRUNED", value=frozen.value)
+            self._tell(trial, state=optuna.trial.TrialState.PRUNED)
+            self._end(rec, "PRUNED", value=rec.last)  # Optuna keeps the last intermediate value: the same
         elif job.state == "FINISHED" and rec.steps:
-            self.study.tell(trial, rec.last)
+            self._tell(trial, rec.last)
             self._end(rec, "COMPLETE", value=rec.last)
         elif job.state == "FINISHED":
             seen = ", ".join(sorted(rec.keys)) or "none"
@@ -188,7 +190,7 @@ class Driver:
                                    f"{self.spec.metric!r} on rank 0; the keys it reported: {seen}. Report it with "
                                    f"dask_ddp.report({self.spec.metric}=value), or pass metric= one of those keys")
         elif job.state == "CANCELLED" and self._stop is not None:
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            self._tell(trial, state=optuna.trial.TrialState.FAIL)
             self._end(rec, "CANCELLED", error=f"cancelled: {self.cause}")
         else:
             self._fail(rec, trial, f"trial {number} (job {rec.run_id}) failed:\n{error}")
@@ -199,7 +201,8 @@ class Driver:
             return
         self._look_at = time.monotonic() + RECHECK
         while self._stop is None:
-            while len(self._line) < LINE and self._asked < self.spec.n_trials and self._stop is None:
+            while len(self._line) < LINE and self._asked < self.spec.n_trials and not self.exhausted \
+                    and self._stop is None:
                 self._ask()
             cap = self.spec.max_concurrent
             if not self._line or (cap is not None and len(self._jobs) >= cap):
@@ -275,8 +278,21 @@ class Driver:
             rec.run_id = job.run_id
 
     # ---- ending --------------------------------------------------------------------------------------------
+    def _tell(self, trial, value: float | None = None, state=None) -> None:
+        """``study.tell``. Optuna's GridSampler calls ``study.stop()`` there once its grid is walked, which only
+        ``study.optimize`` allows (RuntimeError); the trial's end is stored all the same (Optuna stores it in a
+        ``finally``), and the sweep stops asking: every point of the grid has had its trial."""
+        optuna = self._optuna_mod()
+        try:
+            self.study.tell(trial, value, state=state)
+        except RuntimeError:
+            sampler = self.study.sampler
+            if not (isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(self.study)):
+                raise
+            self.exhausted = True
+
     def _fail(self, rec: TrialRecord, trial, error: str) -> None:
-        self.study.tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+        self._tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
         self._end(rec, "FAILED", error=error)
         self.failures += 1
         logger.warning("sweep %s: %s", self.spec.name, error.splitlines()[0])
@@ -300,7 +316,7 @@ class Driver:
         self._stop, self.cause = state, cause
         logger.info("sweep %s: stopping (%s)", self.spec.name, cause)
         for number in self._line:
-            self.study.tell(self._optuna.pop(number), state=self._optuna_mod().trial.TrialState.FAIL)
+            self._tell(self._optuna.pop(number), state=self._optuna_mod().trial.TrialState.FAIL)
             self._end(self.trials[number], "CANCELLED", error=f"never started: {cause}")
         self._line.clear()
         for job in list(self._jobs.values()):
