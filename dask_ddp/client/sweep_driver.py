@@ -156,9 +156,10 @@ class Driver:
         rec = self.trials[number]
         with self.cond:
             rec.keys.update(k for k in item if k not in RESERVED_KEYS)
-        if item.get("rank") != 0 or self.spec.metric not in item or rec.pruned_at is not None:
+        decider = self._deciders.get(number)  # None once the trial has ended
+        if item.get("rank") != 0 or self.spec.metric not in item or rec.pruned_at is not None or decider is None:
             return
-        decider, step, value = self._deciders[number], int(item["step"]), float(item[self.spec.metric])
+        step, value = int(item["step"]), float(item[self.spec.metric])
         if decider.last_step is not None and step <= decider.last_step:
             return  # one value a step, as Optuna keeps
         with self.cond:
