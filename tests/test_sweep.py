@@ -9,6 +9,9 @@ limit, cancel, and bad input; every test checks that no rank process is left beh
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections import defaultdict
 
@@ -16,7 +19,7 @@ import optuna
 import pandas as pd
 import psutil
 import pytest
-from _cluster import leftover_processes, local_client, no_running_ranks
+from _cluster import leftover_processes, local_client, no_running_ranks, wait_until
 
 import dask_ddp
 from dask_ddp.client import search
@@ -59,6 +62,20 @@ def reports_other_keys(lr):
     dask_ddp.report(acc=1 - lr, epoch=0)
 
 
+def hangs(lr):
+    dask_ddp.report(loss=lr, step=0)
+    time.sleep(3600)
+
+
+def slow(lr, folder):
+    ctx = dask_ddp.get_context()
+    with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    for step in range(40):
+        dask_ddp.report(loss=lr, step=step)
+        time.sleep(0.1)
+
+
 def forever(lr):
     step = 0
     while True:
@@ -77,6 +94,10 @@ def client4():
 def _clean(client) -> None:
     assert no_running_ranks(client)
     assert leftover_processes(client) == []
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def _intervals_overlap_per_worker(df: pd.DataFrame) -> list[str]:
@@ -134,7 +155,7 @@ def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     # every rank of every pruned trial ran, and its process is gone
     for row in pruned.itertuples():
         pids = [int((tmp_path / f"{row.run_id}.{r}").read_text()) for r in range(row.ranks)]
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if not _gone(p)]
         assert not alive, f"trial {row.trial} pruned at {row.pruned_at}: ranks still alive {alive}"
     # gang placement: a worker serves one trial at a time, never more than the cluster at once
     assert _intervals_overlap_per_worker(df) == []
@@ -210,6 +231,81 @@ def test_cancel_stops_every_trial(client4):
     df = s.results()
     assert s.state == "CANCELLED" and set(df["state"]) == {"CANCELLED"}, df
     assert (df["steps"] > 0).sum() == 2  # the two that ran had reported
+    _clean(client4)
+
+
+def test_a_hanging_trial_is_failed_by_the_stall_watch_and_the_sweep_goes_on(client4):
+    s = dask_ddp.sweep(client4, hangs, {"lr": [0.1, 0.2]}, n_trials=2, metric="loss", sampler="grid",
+                       max_failures=None, run_options={"stall_timeout": 1.0})
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    df = s.results()
+    assert s.state == "FINISHED" and list(df["state"]) == ["FAILED", "FAILED"], df
+    assert df["error"].str.contains("StallError").all(), df["error"].tolist()
+    _clean(client4)
+
+
+def test_the_client_dying_stops_every_trial(client4, tmp_path):
+    """A notebook's kernel killed while its sweep runs: the trials' ranks stop (the rule of every job)."""
+    script = tmp_path / "notebook.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from dask.distributed import Client
+        import dask_ddp
+
+        def forever(lr):
+            step = 0
+            while True:
+                dask_ddp.report(loss=lr, step=step)
+                step += 1
+                time.sleep(0.1)
+
+        if __name__ == "__main__":
+            client = Client({client4.scheduler.address!r})
+            s = dask_ddp.sweep(client, forever, {{"lr": {{"low": 0.0, "high": 1.0}}}}, n_trials=8, metric="loss",
+                               scheduler="none")
+            while s.counts()["RUNNING"] < 4:
+                time.sleep(0.1)
+            print("RUNNING", flush=True)
+            time.sleep(3600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "RUNNING"
+        assert not no_running_ranks(client4)
+        proc.kill()
+        proc.wait(30)
+        killed = time.monotonic()
+        wait_until(lambda: no_running_ranks(client4), 60, what="every trial's ranks stopped")
+        print(f"ranks gone {time.monotonic() - killed:.1f} s after the client was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _clean(client4)
+
+
+def test_a_worker_killed_mid_trial_fails_that_trial_and_the_sweep_goes_on(client4, tmp_path):
+    """Last of the cluster tests: the killed worker's nanny starts a new one (a new address)."""
+    s = dask_ddp.sweep(client4, slow, {"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, n_trials=5, metric="loss", sampler="grid",
+                       scheduler="none", max_failures=None, max_concurrent=2, kwargs={"folder": str(tmp_path)})
+    try:
+        wait_until(lambda: s.counts()["RUNNING"] == 2, 120, what="two trials running")
+        victim = s.results().query("state == 'RUNNING'").iloc[0]
+        time.sleep(0.5)
+        client4.run(os._exit, 1, workers=[victim["workers"]], on_error="ignore")
+        assert s.wait(180)
+    finally:
+        s.cancel()
+    df = s.results().set_index("trial")
+    assert s.state == "FINISHED", s.cause
+    assert df.loc[victim["trial"], "state"] == "FAILED", df
+    assert "WorkerLostError" in df.loc[victim["trial"], "error"], df.loc[victim["trial"], "error"]
+    assert (df.drop(index=victim["trial"])["state"] == "COMPLETE").all(), df
+    pid = int((tmp_path / f"{df.loc[victim['trial'], 'run_id']}.0").read_text())
+    wait_until(lambda: _gone(pid), 30, what=f"the killed worker's rank process {pid} gone")
+    wait_until(lambda: len(client4.scheduler_info(n_workers=-1)["workers"]) == 4, 60, what="the worker's return")
     _clean(client4)
 
 
