@@ -230,6 +230,7 @@ def test_cancel_stops_every_trial(client4):
         assert s.cancel(60)
     df = s.results()
     assert s.state == "CANCELLED" and set(df["state"]) == {"CANCELLED"}, df
+    assert "CANCELLED" in repr(s) and "cancelled" in s._repr_html_()
     assert (df["steps"] > 0).sum() == 2  # the two that ran had reported
     _clean(client4)
 
@@ -306,6 +307,25 @@ def test_a_worker_killed_mid_trial_fails_that_trial_and_the_sweep_goes_on(client
     pid = int((tmp_path / f"{df.loc[victim['trial'], 'run_id']}.0").read_text())
     wait_until(lambda: _gone(pid), 30, what=f"the killed worker's rank process {pid} gone")
     wait_until(lambda: len(client4.scheduler_info(n_workers=-1)["workers"]) == 4, 60, what="the worker's return")
+    _clean(client4)
+
+
+def test_a_bug_in_the_driver_cancels_the_running_trials_and_ends_the_sweep(client4, monkeypatch):
+    """The driver's own failure (made here by a broken metric handler) must not leave trials running."""
+    def broken(self, number, item):
+        raise RuntimeError("a bug in the driver")
+
+    monkeypatch.setattr(Driver, "_metric", broken)
+    s = dask_ddp.sweep(client4, forever, {"lr": [0.1, 0.2]}, n_trials=2, metric="loss", sampler="grid")
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    assert s.state == "FAILED" and "a bug in the driver" in s.cause and "cancelled" in s.cause, s.cause
+    df = s.results()
+    assert set(df["state"]) <= {"CANCELLED", "QUEUED"} and (df["state"] == "CANCELLED").any(), df
+    assert {t.state.name for t in s.study.trials if t.number in set(df.query("state == 'CANCELLED'")["trial"])} \
+        == {"FAIL"}
     _clean(client4)
 
 
@@ -432,6 +452,19 @@ def test_pick_lets_a_smaller_trial_pass_a_waiting_one_only_a_few_times():
     assert pick([2, 1], free=1, passed=4, patience=4) is None  # the 2-rank trial now holds the free worker
     assert pick([3, 3], free=2, passed=0, patience=4) is None
     assert pick([], free=4, passed=0, patience=4) is None
+
+
+@pytest.mark.parametrize("name, kind", [("tpe", "TPESampler"), (None, "TPESampler"), ("random", "RandomSampler"),
+                                        ("grid", "GridSampler"), ("gp", "GPSampler")])
+def test_samplers_by_name(name, kind):
+    searched, _ = search.distributions({"lr": [0.1, 0.2]})
+    assert type(search.make_sampler(name, searched, seed=0)).__name__ == kind
+
+
+@pytest.mark.parametrize("name, kind", [("asha", "SuccessiveHalvingPruner"), ("hyperband", "HyperbandPruner"),
+                                        ("median", "MedianPruner"), ("none", "NopPruner"), (None, "NopPruner")])
+def test_pruners_by_name(name, kind):
+    assert type(search.make_pruner(name)).__name__ == kind
 
 
 def test_space_entries_become_optuna_distributions():

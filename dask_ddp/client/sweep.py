@@ -108,6 +108,8 @@ def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str
         ``ranks_per_trial`` (an int) larger than the workers the sweep may use, or bad counts.
     ClientClosedError
         The client is not connected.
+    optuna.exceptions.DuplicatedStudyError
+        ``name`` names a study that ``storage`` holds already: give another name.
     """
     optuna = search.optuna_module()
     check_client(client)

@@ -111,10 +111,28 @@ class Driver:
                 pass
         except Exception as exc:  # noqa: BLE001 - never leave trials running unseen
             logger.exception("dask-ddp sweep %s: its driver failed", self.spec.name)
-            self.error = f"the sweep's driver failed: {exc!r}"
-            for job in list(self._jobs.values()):
-                _quiet_cancel(job)
+            self.error = f"the sweep's driver failed: {exc!r}; its trials were cancelled"
+            self._abandon()
             self._finish("FAILED", self.error)
+
+    def _abandon(self) -> None:
+        """After a bug in the driver: cancel every running trial and wait for its ranks (up to 60 s each), and tell
+        Optuna that every trial not yet told failed (so that no trial stays RUNNING in a kept study)."""
+        for job in list(self._jobs.values()):
+            _quiet_cancel(job)
+        for job in list(self._jobs.values()):
+            try:
+                job.wait(60, progress=False)
+            except Exception:  # noqa: BLE001 - the client may be gone: its ranks stop with it
+                logger.warning("dask-ddp could not wait for job %s", job.run_id, exc_info=True)
+        for number, trial in list(self._optuna.items()):
+            try:
+                self.study.tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+            except Exception:  # noqa: BLE001 - told already, or the storage is gone
+                logger.warning("dask-ddp could not tell Optuna that trial %d ended", number, exc_info=True)
+            with self.cond:
+                if self.trials[number].state not in ("COMPLETE", "PRUNED", "FAILED"):
+                    self.trials[number].end("CANCELLED", self.error)
 
     def step(self, wait: float = 0.1) -> bool:
         """One iteration (see the module docstring); True once the sweep has ended."""
