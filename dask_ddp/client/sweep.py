@@ -268,12 +268,13 @@ class Sweep:
         """One row per trial asked so far, by trial number: ``trial``, ``state``, ``params_<name>`` for each
         parameter, ``value`` (what Optuna was told), ``last`` and ``best`` report of the metric, ``steps``
         (reports that counted), ``last_step``, ``pruned_at``, ``ranks``, ``workers`` (comma-separated
-        addresses), ``run_id`` (the trial's job), ``queued``/``started``/``ended`` (UTC timestamps),
-        ``duration`` (seconds) and ``error`` (with its traceback)."""
+        addresses), ``run_id`` (the trial's job), ``queued``/``started``/``first_report``/``stopped``/``ended``
+        (UTC timestamps: asked, its job started, rank 0's first report of the metric, the pruner's decision,
+        every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback)."""
         with self._driver.cond:
             rows = [r.row() for r in sorted(self._driver.trials.values(), key=lambda r: r.number)]
         df = pd.DataFrame(rows, columns=None if rows else ["trial", "state"])
-        for col in ("queued", "started", "ended"):
+        for col in ("queued", "started", "first_report", "stopped", "ended"):
             if col in df:
                 df[col] = pd.to_datetime(df[col], unit="s", utc=True)
         return df

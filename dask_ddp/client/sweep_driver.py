@@ -181,10 +181,10 @@ class Driver:
         if decider.last_step is not None and step <= decider.last_step:
             return  # one value a step, as Optuna keeps
         with self.cond:
-            rec.add(step, value, self.spec.minimize)
+            rec.add(step, value, self.spec.minimize, item.get("time"))
         if decider.report(step, value):
             with self.cond:
-                rec.pruned_at = step
+                rec.pruned_at, rec.stopped = step, time.time()
             logger.info("sweep %s: trial %d pruned at step %d (%s=%g)", self.spec.name, number, step,
                         self.spec.metric, value)
             _quiet_cancel(self._jobs[number])

@@ -41,11 +41,15 @@ class TrialRecord:
     keys: set[str] = field(default_factory=set)  # every key any rank reported
     error: str | None = None  # the failure, with its traceback
     queued: float = field(default_factory=time.time)
-    started: float | None = None
-    ended: float | None = None
+    started: float | None = None  # its job was started
+    first_report: float | None = None  # rank 0's first report of the metric (the rank's clock)
+    stopped: float | None = None  # the pruner's decision: the job was cancelled
+    ended: float | None = None  # its job ended: every rank had stopped
 
-    def add(self, step: int, value: float, minimize: bool) -> None:
-        """Count one report of the metric at ``step``."""
+    def add(self, step: int, value: float, minimize: bool, at: float | None = None) -> None:
+        """Count one report of the metric at ``step``, made at ``at`` (``time.time()`` of the rank)."""
+        if self.first_report is None:
+            self.first_report = at
         self.steps += 1
         self.last_step, self.last = step, value
         if not math.isnan(value) and (self.best is None or (value < self.best if minimize else value > self.best)):
@@ -63,4 +67,5 @@ class TrialRecord:
                 "value": self.value, "last": self.last, "best": self.best, "steps": self.steps,
                 "last_step": self.last_step, "pruned_at": self.pruned_at, "ranks": self.ranks,
                 "workers": ",".join(self.workers), "run_id": self.run_id, "queued": self.queued,
-                "started": self.started, "ended": self.ended, "duration": duration, "error": self.error}
+                "started": self.started, "first_report": self.first_report, "stopped": self.stopped,
+                "ended": self.ended, "duration": duration, "error": self.error}
