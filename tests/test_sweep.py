@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import defaultdict
 
@@ -26,7 +27,7 @@ from dask_ddp.client import search
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import TRIAL_ENDED
-from dask_ddp.wire.errors import PlanError
+from dask_ddp.wire.errors import PlanError, SerializationError
 from dask_ddp.wire.plan import WorkerInfo
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -139,7 +140,9 @@ def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     assert s.state == "FINISHED", (s.state, s.cause)
     assert len(df) == 20 and set(df["state"]) <= set(TRIAL_ENDED), df[["trial", "state", "error"]]
     counts = df["state"].value_counts().to_dict()
-    assert counts.get("PRUNED", 0) >= 3 and counts.get("COMPLETE", 0) >= 3, counts
+    # asynchronous successive halving promotes the first trial to reach a rung (so one trial at least
+    # completes) and then only the top half at each rung: how many complete depends on the order trials end
+    assert counts.get("PRUNED", 0) >= 3 and counts.get("COMPLETE", 0) >= 1, counts
     assert set(df["ranks"]) == {1, 2}
     assert (df["workers"].str.split(",").map(len) == df["ranks"]).all()
     assert {"params_lr", "params_ranks", "value", "last", "best", "steps", "started", "ended", "duration",
@@ -340,6 +343,7 @@ def test_a_bug_in_the_driver_cancels_the_running_trials_and_ends_the_sweep(clien
     ({"scheduler": "pbt"}, ValueError, "scheduler='pbt': unknown"),
     ({"sampler": "grid", "space": {"lr": {"low": 0.0, "high": 1.0}}}, ValueError, "lr is a range"),
     ({"n_trials": 0}, PlanError, "n_trials=0"),
+    ({"kwargs": {"lock": threading.Lock()}}, SerializationError, "keyword argument 'lock'"),
     ({"ranks_per_trial": "width"}, ValueError, "names no parameter"),
 ])
 def test_bad_input_is_refused_before_anything_starts(client4, kw, error, match):

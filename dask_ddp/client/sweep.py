@@ -100,7 +100,10 @@ def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str
     ImportError
         Optuna is not installed.
     TypeError
-        A bad ``space`` entry, ``train_fn`` not callable, bad argument types (names which).
+        A bad ``space`` entry, ``train_fn`` not callable (or async, or a generator), bad argument types (names
+        which).
+    SerializationError
+        ``train_fn`` or one of ``args``/``kwargs`` cannot be pickled to ship to the workers (names which).
     ValueError
         A space Optuna cannot parse, an unknown ``mode``/``sampler``/``scheduler``, a parameter name that
         clashes with ``kwargs`` or with ``dispatch.run``'s own keywords.
@@ -113,10 +116,10 @@ def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str
     """
     optuna = search.optuna_module()
     check_client(client)
-    if not callable(train_fn):
-        raise TypeError(f"sweep(client, train_fn, ...) needs a callable train_fn, got {type(train_fn).__name__}")
+    dispatch._check_function(train_fn)
     searched, fixed = search.distributions(space)
     kwargs = dict(kwargs or {})
+    dispatch._check_pickles(train_fn, tuple(args), kwargs)  # the parameters are checked with each trial
     run_options = dict(run_options or {})
     _check_names(searched, fixed, kwargs, run_options)
     if mode not in MODES:

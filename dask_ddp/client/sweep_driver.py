@@ -90,7 +90,8 @@ class Driver:
         self._jobs: dict[int, Any] = {}
         self._line: list[int] = []  # asked, not started, in order
         self._busy: set[str] = set()
-        self._asked = self.failures = self._passed = 0
+        self._asked = self.failures = self._passed = 0  # _passed: times the head of the line (_head) was passed
+        self._head: int | None = None
         self.exhausted = False  # the sampler has nothing left to ask (a walked grid)
         self._stop: str | None = None  # the sweep's end state once it is stopping
         self._look_at = 0.0  # monotonic time of the next look at the cluster
@@ -235,10 +236,12 @@ class Driver:
             else:
                 free_n = len(free)
             sizes = [self.trials[n].ranks for n in self._line]
+            if self._line and self._line[0] != self._head:  # a new head (the last started or failed)
+                self._head, self._passed = self._line[0], 0
             i = pick(sizes, free_n, self._passed, PATIENCE)
             if i is None:
                 return
-            self._passed = 0 if i == 0 else self._passed + 1
+            self._passed += i != 0
             self._launch(self._line.pop(i), place(sizes[i], free))
 
     def _eligible(self) -> list[planning.WorkerInfo]:
