@@ -224,11 +224,8 @@ def test_cancel_stops_every_trial(client4):
     s = dask_ddp.sweep(client4, forever, {"lr": {"low": 0.0, "high": 1.0}}, n_trials=10, metric="loss",
                        scheduler="none", ranks_per_trial=2)
     try:
-        deadline = time.monotonic() + 120
-        while s.counts()["RUNNING"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert s.counts()["RUNNING"] == 2, s.results()
-        time.sleep(1)
+        wait_until(lambda: (s.results()["steps"] > 0).sum() == 2, 120,
+                   what="two trials (all the 4 workers hold) reporting")
     finally:
         assert s.cancel(60)
     df = s.results()
@@ -270,7 +267,7 @@ def test_the_client_dying_stops_every_trial(client4, tmp_path):
             client = Client({client4.scheduler.address!r})
             s = dask_ddp.sweep(client, forever, {{"lr": {{"low": 0.0, "high": 1.0}}}}, n_trials=8, metric="loss",
                                scheduler="none")
-            while s.counts()["RUNNING"] < 4:
+            while (s.results()["steps"] > 0).sum() < 4:  # four trials' ranks run and report
                 time.sleep(0.1)
             print("RUNNING", flush=True)
             time.sleep(3600)
@@ -295,9 +292,9 @@ def test_a_worker_killed_mid_trial_fails_that_trial_and_the_sweep_goes_on(client
     s = dask_ddp.sweep(client4, slow, {"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, n_trials=5, metric="loss", sampler="grid",
                        scheduler="none", max_failures=None, max_concurrent=2, kwargs={"folder": str(tmp_path)})
     try:
-        wait_until(lambda: s.counts()["RUNNING"] == 2, 120, what="two trials running")
+        wait_until(lambda: len(s.results().query("state == 'RUNNING' and steps > 0")) == 2, 120,
+                   what="two trials reporting")
         victim = s.results().query("state == 'RUNNING'").iloc[0]
-        time.sleep(0.5)
         client4.run(os._exit, 1, workers=[victim["workers"]], on_error="ignore")
         assert s.wait(180)
     finally:
@@ -484,3 +481,11 @@ def test_space_entries_become_optuna_distributions():
         search.distributions({"lr": {"low": 0.1}})
     with pytest.raises(TypeError, match="identifiers"):
         search.distributions({"learning rate": [1]})
+
+
+def test_a_trial_row_has_the_columns_of_an_empty_results_table():
+    from dask_ddp.client.trial import COLUMNS, TrialRecord
+
+    row = TrialRecord(3, {"lr": 0.1, "ranks": 2}, 2).row()
+    assert [k for k in row if not k.startswith("params_")] == list(COLUMNS)
+    assert row["params_lr"] == 0.1 and list(row).index("params_lr") == 2  # the parameters after the state

@@ -26,7 +26,7 @@ import pandas as pd
 from dask_ddp.client import dispatch, search
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
-from dask_ddp.client.trial import TRIAL_ENDED, TRIAL_STATES
+from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
 from dask_ddp.wire.errors import PlanError
 
 __all__ = ["sweep", "Sweep"]
@@ -276,7 +276,7 @@ class Sweep:
         every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback)."""
         with self._driver.cond:
             rows = [r.row() for r in sorted(self._driver.trials.values(), key=lambda r: r.number)]
-        df = pd.DataFrame(rows, columns=None if rows else ["trial", "state"])
+        df = pd.DataFrame(rows, columns=None if rows else list(COLUMNS))
         for col in ("queued", "started", "first_report", "stopped", "ended"):
             if col in df:
                 df[col] = pd.to_datetime(df[col], unit="s", utc=True)

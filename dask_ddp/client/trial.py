@@ -16,10 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrialRecord", "TRIAL_STATES", "TRIAL_ENDED"]
+__all__ = ["TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS"]
 
 TRIAL_STATES = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "FAILED", "CANCELLED")
 TRIAL_ENDED = ("COMPLETE", "PRUNED", "FAILED", "CANCELLED")
+#: The columns of ``Sweep.results()`` but the parameters' (``params_<name>``, after ``state``)
+COLUMNS = ("trial", "state", "value", "last", "best", "steps", "last_step", "pruned_at", "ranks", "workers",
+           "run_id", "queued", "started", "first_report", "stopped", "ended", "duration", "error")
 
 
 @dataclass
