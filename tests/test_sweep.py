@@ -167,7 +167,7 @@ def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     _clean(client4)
 
 
-def test_failed_trials_are_recorded_with_their_traceback_and_the_sweep_goes_on(client4, tmp_path):
+def test_failed_trials_are_recorded_with_their_traceback_and_the_sweep_goes_on(client4, tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'sweep.db'}"
     s = dask_ddp.sweep(client4, raises_above, {"lr": [0.1, 0.2, 0.7, 0.9]}, n_trials=4, metric="loss",
                        sampler="grid", scheduler="none", max_failures=None, max_workers=2, storage=storage,
@@ -178,6 +178,8 @@ def test_failed_trials_are_recorded_with_their_traceback_and_the_sweep_goes_on(c
         s.cancel()
     df = s.results().set_index("params_lr")
     assert s.state == "FINISHED", s.cause
+    err = capsys.readouterr().err  # wait()'s progress bar over the trials, as it closed
+    assert any("fails FINISHED" in ln and "4/4" in ln and "failed=2" in ln for ln in err.splitlines()), err[-2000:]
     assert list(df.loc[[0.7, 0.9], "state"]) == ["FAILED", "FAILED"], df
     assert list(df.loc[[0.1, 0.2], "state"]) == ["COMPLETE", "COMPLETE"], df
     for lr in (0.7, 0.9):

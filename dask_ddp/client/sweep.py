@@ -27,6 +27,7 @@ from dask_ddp.client import dispatch, search
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
+from dask_ddp.observe.progress import SweepProgress
 from dask_ddp.wire.errors import PlanError
 
 __all__ = ["sweep", "Sweep"]
@@ -39,7 +40,7 @@ def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str
           mode: str = "min", scheduler: Any = "asha", sampler: Any = None, max_concurrent: int | None = None,
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
-          storage: Any = None, name: str | None = None, seed: int | None = None) -> "Sweep":
+          storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True) -> "Sweep":
     """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
     :class:`Sweep` at once.
 
@@ -94,6 +95,8 @@ def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str
         The sweep's (and its study's) name; default the function's name and 8 random hex digits.
     seed : int
         The sampler's seed.
+    progress : bool
+        Show a progress bar over the trials in :meth:`Sweep.wait`.
 
     Raises
     ------
@@ -138,7 +141,8 @@ def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str
                                 pruner=search.make_pruner(scheduler))
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
                      metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
-                     max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options)
+                     max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
+                     progress=bool(progress))
     handle = Sweep(client, spec, Driver(client, spec, study, searched))
     handle._driver.start()
     return handle
@@ -237,9 +241,9 @@ class Sweep:
         """True once the sweep has ended and none of its trials runs a rank."""
         return self.state in SWEEP_ENDED
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the sweep ends or ``timeout`` seconds pass; True if it ended. Never raises for failed
-        trials (read :meth:`results`).
+    def wait(self, timeout: float | None = None, *, progress: bool | None = None) -> bool:
+        """Block until the sweep ends or ``timeout`` seconds pass, with a progress bar over the trials (default:
+        the sweep's ``progress=``); True if it ended. Never raises for failed trials (read :meth:`results`).
 
         Raises
         ------
@@ -247,17 +251,23 @@ class Sweep:
             Ctrl-C while waiting: the sweep is cancelled first (its trials stop), a note on the exception says so.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        bar = SweepProgress(self) if (self.spec.progress if progress is None else progress) else None
         try:
-            with self._driver.cond:
-                while not self.done():
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        break
+            while not self.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                with self._driver.cond:
                     self._driver.cond.wait(0.2 if left is None else min(0.2, left))
+                if bar:
+                    bar.update()
         except KeyboardInterrupt as exc:
             self._driver.stop("CANCELLED", "interrupted (Ctrl-C) while waiting")
             exc.add_note(f"[dask-ddp] sweep {self.name} was cancelled: its trials stop within seconds")
             raise
+        finally:
+            if bar:
+                bar.close()
         return self.done()
 
     def cancel(self, timeout: float = 60) -> bool:
@@ -265,7 +275,7 @@ class Sweep:
         ``timeout`` seconds for them; True once the sweep has ended (CANCELLED, unless it had ended before)."""
         if not self.done():
             self._driver.stop("CANCELLED", "sweep.cancel() was called")
-        return self.wait(timeout)
+        return self.wait(timeout, progress=False)
 
     def results(self) -> pd.DataFrame:
         """One row per trial asked so far, by trial number: ``trial``, ``state``, ``params_<name>`` for each
@@ -273,7 +283,10 @@ class Sweep:
         (reports that counted), ``last_step``, ``pruned_at``, ``ranks``, ``workers`` (comma-separated
         addresses), ``run_id`` (the trial's job), ``queued``/``started``/``first_report``/``stopped``/``ended``
         (UTC timestamps: asked, its job started, rank 0's first report of the metric, the pruner's decision,
-        every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback)."""
+        every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback).
+
+        A trial's whole trace of the metric (rank 0's, up to a prune) is Optuna's:
+        ``sweep.study.trials[n].intermediate_values`` (``{step: value}``); its job's other reports are not kept."""
         with self._driver.cond:
             rows = [r.row() for r in sorted(self._driver.trials.values(), key=lambda r: r.number)]
         df = pd.DataFrame(rows, columns=None if rows else list(COLUMNS))

@@ -61,6 +61,7 @@ class SweepSpec:
     workers: tuple[str, ...] | None
     max_failures: int | None
     run_options: dict
+    progress: bool = True
 
 
 class TrialHooks:
