@@ -6,6 +6,8 @@ so it imports neither torch nor the client's machinery until they are used.
 
 >>> job = dask_ddp.dispatch.run(client, train, 3, lr=0.1)   # doctest: +SKIP
 >>> job.result()                                            # doctest: +SKIP
+>>> s = dask_ddp.sweep(client, train, {"lr": {"low": 1e-4, "high": 0.1, "log": True}},
+...                    n_trials=20, metric="loss")                # doctest: +SKIP
 """
 
 import importlib
@@ -51,7 +53,8 @@ __version__ = "0.1.0"
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
          "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
-         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink"}
+         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "client.sweep",
+         "Sweep": "client.sweep"}
 
 
 def __getattr__(name: str):
@@ -71,5 +74,5 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink",
-    "Preempted", "preempted", "on_preemption",
+    "Preempted", "preempted", "on_preemption", "sweep", "Sweep",
 ]

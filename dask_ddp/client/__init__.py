@@ -5,8 +5,10 @@ handle (:mod:`.job`) and its local or remote control (:mod:`.control`, :mod:`.de
 controller that owns a job's live state and acts on failures (:mod:`.controller`, deciding
 through the pure :mod:`.policy` and :mod:`.elastic`), its port to the Dask cluster
 (:mod:`.cluster`), the job's record (:mod:`.record`), the event feed and its ordering
-(:mod:`.events`), silence and straggler watches (:mod:`.liveness`, :mod:`.stragglers`) and
-detached jobs (:mod:`.detach`).
+(:mod:`.events`), silence and straggler watches (:mod:`.liveness`, :mod:`.stragglers`),
+detached jobs (:mod:`.detach`), and sweeps: many jobs searched and pruned by Optuna
+(:mod:`.sweep` the call and handle, :mod:`.sweep_driver` its thread, :mod:`.search` the
+Optuna glue, :mod:`.placement` gang placement, :mod:`.trial` a trial's record).
 
 May import: :mod:`dask_ddp.worker` (its tasks are submitted by reference),
 :mod:`dask_ddp.observe`, :mod:`dask_ddp.dashboard`, :mod:`dask_ddp.data` and

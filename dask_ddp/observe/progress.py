@@ -1,10 +1,11 @@
-"""The progress bar of :meth:`Job.wait` / :meth:`Job.result` (tqdm's auto flavour).
+"""The progress bars of :meth:`Job.wait` / :meth:`Job.result` and of ``Sweep.wait`` (tqdm's auto flavour).
 
 Runs in: the client.
 
-A widget in Jupyter, text in a terminal. It follows the highest ``step`` any
+A widget in Jupyter, text in a terminal. A job's bar follows the highest ``step`` any
 rank has reported (``total=`` on ``run`` gives the bar its end) and shows
-the latest metrics of rank 0 in its postfix.
+the latest metrics of rank 0 in its postfix. A sweep's bar counts its ended trials and
+shows how many run, were pruned or failed, and the best value so far.
 """
 
 from __future__ import annotations
@@ -55,3 +56,28 @@ class Progress:
     def write(line: str, to_stderr: bool = False) -> None:
         """Print a line without breaking an active bar."""
         tqdm.write(line, file=sys.stderr if to_stderr else sys.stdout)
+
+
+class SweepProgress:
+    """One bar over a sweep's trials (``sweep.counts()``, ``sweep.best``); ``update()`` is cheap."""
+
+    ENDED = ("COMPLETE", "PRUNED", "FAILED", "CANCELLED")
+
+    def __init__(self, sweep):
+        self.sweep = sweep
+        self.bar = tqdm(total=sweep.spec.n_trials, desc=sweep.name, unit="trial", dynamic_ncols=True, leave=True)
+
+    def update(self) -> None:
+        counts = self.sweep.counts()
+        ended = sum(counts[s] for s in self.ENDED)
+        if ended > self.bar.n:
+            self.bar.update(ended - self.bar.n)
+        post = {s.lower(): n for s, n in counts.items() if n and s in ("RUNNING", "PRUNED", "FAILED")}
+        if counts["COMPLETE"]:
+            post["best"] = f"{self.sweep.best['value']:.4g}"
+        self.bar.set_postfix(post, refresh=False)
+
+    def close(self) -> None:
+        self.update()
+        self.bar.set_description(f"{self.sweep.name} {self.sweep.state}")
+        self.bar.close()

@@ -1,0 +1,331 @@
+"""``dask_ddp.sweep``: many DDP trials on one Dask cluster, searched and early-stopped by Optuna.
+
+Runs in: the client (the notebook). :func:`sweep` validates everything before anything ships and
+returns a :class:`Sweep` at once; the sweep's driver thread (:mod:`dask_ddp.client.sweep_driver`) runs
+the trials, each a :func:`dask_ddp.dispatch.run` job pinned to its own workers. Sweep states::
+
+    RUNNING -> FINISHED    (every trial ended)
+            -> FAILED      (max_failures trials failed, or the driver failed; running trials were cancelled)
+            -> CANCELLED   (sweep.cancel(), or the Dask client closed)
+
+Not yet: ``attach_sweep`` after a kernel restart (an Optuna storage given as ``storage=`` keeps the study
+and its trials, not the running sweep), resumable/promoted trials from checkpoints, the dashboard's and
+Prometheus's view of a sweep.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pandas as pd
+
+from dask_ddp.client import dispatch, search
+from dask_ddp.client.cluster import check_client
+from dask_ddp.client.sweep_driver import Driver, SweepSpec
+from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
+from dask_ddp.observe.progress import SweepProgress
+from dask_ddp.wire.errors import PlanError
+
+__all__ = ["sweep", "Sweep"]
+
+MODES = ("min", "max")
+SWEEP_ENDED = ("FINISHED", "FAILED", "CANCELLED")
+
+
+def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str, ranks_per_trial: Any = 1,
+          mode: str = "min", scheduler: Any = "asha", sampler: Any = None, max_concurrent: int | None = None,
+          max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
+          args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
+          storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True) -> "Sweep":
+    """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
+    :class:`Sweep` at once.
+
+    Each trial gets parameters from Optuna's ``sampler`` over ``space``; they reach ``train_fn`` as keyword
+    arguments (``train_fn(*args, **kwargs, **params)``), the same on every rank since they are the job's
+    arguments. ``train_fn`` reports the metric with ``dask_ddp.report(**{metric: value})``; rank 0's reports
+    count (average over ranks first, e.g. with :func:`dask_ddp.all_reduce_mean`, where they differ), at the
+    report's ``step``. A trial's value is its last report. The ``scheduler`` (an Optuna pruner) decides at
+    each report whether to stop the trial; a pruned trial's job is cancelled, so every one of its ranks is
+    stopped together (their processes are killed: no rank is left waiting in a collective, and their memory,
+    GPU memory included, is freed); it is recorded PRUNED at the step of the decision, and what its ranks
+    reported after that step does not count.
+
+    A trial of ``k`` ranks starts only when ``k`` workers are free, on all ``k`` at once, on one host where
+    one has room (best fit), else on as few hosts as possible; its workers are free again once all its ranks
+    have stopped.
+
+    Parameters
+    ----------
+    train_fn : callable
+        What :func:`dask_ddp.dispatch.run` takes.
+    space : dict
+        ``{name: entry}``: an Optuna distribution, a list of choices, ``{"low": .., "high": .., "log": ..,
+        "step": ..}`` (int when both bounds are ints), or a fixed value
+        (see :func:`~dask_ddp.client.search.distributions`).
+    n_trials : int
+        How many trials to run.
+    metric : str
+        The key of ``report()`` that Optuna optimises; ``mode``: ``"min"`` or ``"max"``.
+    ranks_per_trial : int, str or callable
+        Ranks of every trial (int), the name of a parameter of ``space`` that holds it, or
+        ``f(params) -> int``.
+    scheduler : str or optuna pruner
+        ``"asha"`` (SuccessiveHalvingPruner, default), ``"hyperband"``, ``"median"``, ``"none"``, or a pruner.
+    sampler : str or optuna sampler
+        ``"tpe"`` (default), ``"random"``, ``"grid"`` (lists only), ``"gp"`` (needs scipy), or a sampler.
+    max_concurrent : int
+        At most this many trials run at once (default: as many as fit).
+    max_workers, workers
+        At most ``max_workers`` workers busy with this sweep's trials at once, and only ``workers`` (addresses
+        or names): the rest of the cluster stays free for other jobs.
+    max_failures : int or None
+        The sweep stops (FAILED, running trials cancelled) once this many trials have failed; None: never.
+    args, kwargs
+        Fixed arguments of every trial.
+    run_options : dict
+        More keywords for each trial's :func:`~dask_ddp.dispatch.run` (``backend``, ``stall_timeout``,
+        ``timeout``, ``checkpoint_dir``, ...).
+    storage : str or optuna storage
+        Where the Optuna study lives (default in memory): e.g. ``"sqlite:///sweep.db"``.
+    name : str
+        The sweep's (and its study's) name; default the function's name and 8 random hex digits.
+    seed : int
+        The sampler's seed.
+    progress : bool
+        Show a progress bar over the trials in :meth:`Sweep.wait`.
+
+    Raises
+    ------
+    ImportError
+        Optuna is not installed.
+    TypeError
+        A bad ``space`` entry, ``train_fn`` not callable (or async, or a generator), bad argument types (names
+        which).
+    SerializationError
+        ``train_fn`` or one of ``args``/``kwargs`` cannot be pickled to ship to the workers (names which).
+    ValueError
+        A space Optuna cannot parse, an unknown ``mode``/``sampler``/``scheduler``, a parameter name that
+        clashes with ``kwargs`` or with ``dispatch.run``'s own keywords.
+    PlanError
+        ``ranks_per_trial`` (an int) larger than the workers the sweep may use, or bad counts.
+    ClientClosedError
+        The client is not connected.
+    optuna.exceptions.DuplicatedStudyError
+        ``name`` names a study that ``storage`` holds already: give another name.
+    """
+    optuna = search.optuna_module()
+    check_client(client)
+    dispatch._check_function(train_fn)
+    searched, fixed = search.distributions(space)
+    kwargs = dict(kwargs or {})
+    dispatch._check_pickles(train_fn, tuple(args), kwargs)  # the parameters are checked with each trial
+    run_options = dict(run_options or {})
+    _check_names(searched, fixed, kwargs, run_options)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: use 'min' or 'max'")
+    if not isinstance(metric, str) or not metric:
+        raise TypeError(f"metric={metric!r}: give the name of a key that train_fn reports")
+    n_trials = _count("n_trials", n_trials)
+    max_concurrent = _count("max_concurrent", max_concurrent, allow_none=True)
+    max_workers = _count("max_workers", max_workers, allow_none=True)
+    max_failures = _count("max_failures", max_failures, allow_none=True)
+    ranks = _ranks_rule(ranks_per_trial, searched, fixed)
+    workers = _check_workers(client, workers, max_workers, ranks_per_trial)
+    name = name or f"{getattr(train_fn, '__name__', 'sweep').strip('<>')}-{uuid.uuid4().hex[:8]}"
+    study = optuna.create_study(storage=storage, study_name=name, direction="minimize" if mode == "min" else
+                                "maximize", sampler=search.make_sampler(sampler, searched, seed),
+                                pruner=search.make_pruner(scheduler))
+    spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
+                     metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
+                     max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
+                     progress=bool(progress))
+    handle = Sweep(client, spec, Driver(client, spec, study, searched))
+    handle._driver.start()
+    return handle
+
+
+def _count(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}={value!r}: expected an int >= 1" + (" or None" if allow_none else ""))
+    return value
+
+
+_RUN_KEYWORDS = [p.name for p in inspect.signature(dispatch.run).parameters.values()
+                 if p.kind == inspect.Parameter.KEYWORD_ONLY]
+_TAKEN = ("workers", "callbacks", "detach", "name", "progress")  # the sweep sets these for each trial
+
+
+def _check_names(searched: dict, fixed: dict, kwargs: dict, run_options: dict) -> None:
+    params = set(searched) | set(fixed)
+    for what, names in (("space parameter", params), ("kwargs key", set(kwargs))):
+        clash = sorted(names & set(_RUN_KEYWORDS))
+        if clash:
+            raise ValueError(f"{what} {', '.join(map(repr, clash))} is also a keyword of dispatch.run: rename it "
+                             "(run's own keywords go in run_options=)")
+    both = sorted(params & set(kwargs))
+    if both:
+        raise ValueError(f"{', '.join(map(repr, both))} is both in space and in kwargs: keep it in one")
+    unknown = sorted(set(run_options) - set(_RUN_KEYWORDS))
+    taken = sorted(set(run_options) & set(_TAKEN))
+    if unknown or taken:
+        raise ValueError(f"run_options: {', '.join(unknown + taken)} " + ("is not a keyword of dispatch.run" if
+                         unknown else "is set by the sweep for each trial") + f" (allowed: "
+                         f"{', '.join(k for k in _RUN_KEYWORDS if k not in _TAKEN)})")
+
+
+def _ranks_rule(ranks_per_trial, searched: dict, fixed: dict) -> Callable[[dict], int]:
+    if isinstance(ranks_per_trial, bool):
+        raise TypeError("ranks_per_trial: expected an int, a parameter name or a function of the parameters")
+    if isinstance(ranks_per_trial, int):
+        _count("ranks_per_trial", ranks_per_trial)
+        return lambda params: ranks_per_trial
+    if isinstance(ranks_per_trial, str):
+        if ranks_per_trial not in searched and ranks_per_trial not in fixed:
+            raise ValueError(f"ranks_per_trial={ranks_per_trial!r} names no parameter of space (it has "
+                             f"{', '.join(sorted({*searched, *fixed}))})")
+        return lambda params: params[ranks_per_trial]
+    if callable(ranks_per_trial):
+        return ranks_per_trial
+    raise TypeError(f"ranks_per_trial={ranks_per_trial!r}: expected an int, a parameter name or a function of "
+                    "the parameters")
+
+
+def _check_workers(client, workers, max_workers, ranks_per_trial) -> tuple[str, ...] | None:
+    """The ``workers=`` selection (as a tuple); with an int ``ranks_per_trial``, that it fits the workers the
+    sweep may use."""
+    if workers is not None and (isinstance(workers, str) or not all(isinstance(w, str) for w in workers)):
+        raise TypeError(f"workers={workers!r}: expected a list of worker addresses or names")
+    selected = tuple(workers) if workers is not None else None
+    if isinstance(ranks_per_trial, int):
+        n = len(dispatch._plan(client, list(selected) if selected is not None else None).ranks)
+        room = n if max_workers is None else min(n, max_workers)
+        if ranks_per_trial > room:
+            raise PlanError(f"ranks_per_trial={ranks_per_trial}, but the sweep may use only {room} workers (the "
+                            f"cluster has {n}{'' if selected is None else ' of those named in workers='}, "
+                            f"max_workers={max_workers}): lower ranks_per_trial or add workers")
+    return selected
+
+
+class Sweep:
+    """A running sweep, returned by :func:`dask_ddp.sweep`.
+
+    Attributes
+    ----------
+    name : str
+        The sweep's name (its Optuna study's too).
+    study : optuna.Study
+        The study: every trial's parameters, intermediate values and end (read it; the sweep tells it).
+    state : str
+        RUNNING, FINISHED, FAILED or CANCELLED (see :mod:`dask_ddp.client.sweep`); ``cause`` says why it ended.
+    """
+
+    def __init__(self, client, spec: SweepSpec, driver: Driver):
+        self.client, self.spec, self._driver = client, spec, driver
+        self.name, self.study = spec.name, driver.study
+
+    @property
+    def state(self) -> str:
+        return self._driver.state
+
+    @property
+    def cause(self) -> str:
+        return self._driver.cause
+
+    def done(self) -> bool:
+        """True once the sweep has ended and none of its trials runs a rank."""
+        return self.state in SWEEP_ENDED
+
+    def wait(self, timeout: float | None = None, *, progress: bool | None = None) -> bool:
+        """Block until the sweep ends or ``timeout`` seconds pass, with a progress bar over the trials (default:
+        the sweep's ``progress=``); True if it ended. Never raises for failed trials (read :meth:`results`).
+
+        Raises
+        ------
+        KeyboardInterrupt
+            Ctrl-C while waiting: the sweep is cancelled first (its trials stop), a note on the exception says so.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        bar = SweepProgress(self) if (self.spec.progress if progress is None else progress) else None
+        try:
+            while not self.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                with self._driver.cond:
+                    self._driver.cond.wait(0.2 if left is None else min(0.2, left))
+                if bar:
+                    bar.update()
+        except KeyboardInterrupt as exc:
+            self._driver.stop("CANCELLED", "interrupted (Ctrl-C) while waiting")
+            exc.add_note(f"[dask-ddp] sweep {self.name} was cancelled: its trials stop within seconds")
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return self.done()
+
+    def cancel(self, timeout: float = 60) -> bool:
+        """Stop the sweep: queued trials are dropped, running ones cancelled (every rank stopped); waits up to
+        ``timeout`` seconds for them; True once the sweep has ended (CANCELLED, unless it had ended before)."""
+        if not self.done():
+            self._driver.stop("CANCELLED", "sweep.cancel() was called")
+        return self.wait(timeout, progress=False)
+
+    def results(self) -> pd.DataFrame:
+        """One row per trial asked so far, by trial number: ``trial``, ``state``, ``params_<name>`` for each
+        parameter, ``value`` (what Optuna was told), ``last`` and ``best`` report of the metric, ``steps``
+        (reports that counted), ``last_step``, ``pruned_at``, ``ranks``, ``workers`` (comma-separated
+        addresses), ``run_id`` (the trial's job), ``queued``/``started``/``first_report``/``stopped``/``ended``
+        (UTC timestamps: asked, its job started, rank 0's first report of the metric, the pruner's decision,
+        every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback).
+
+        A trial's whole trace of the metric (rank 0's, up to a prune) is Optuna's:
+        ``sweep.study.trials[n].intermediate_values`` (``{step: value}``); its job's other reports are not kept."""
+        with self._driver.cond:
+            rows = [r.row() for r in sorted(self._driver.trials.values(), key=lambda r: r.number)]
+        df = pd.DataFrame(rows, columns=None if rows else list(COLUMNS))
+        for col in ("queued", "started", "first_report", "stopped", "ended"):
+            if col in df:
+                df[col] = pd.to_datetime(df[col], unit="s", utc=True)
+        return df
+
+    @property
+    def best(self) -> dict:
+        """The best COMPLETE trial so far: ``{"trial", "value", "params", "run_id"}``.
+
+        Raises
+        ------
+        ValueError
+            No trial has completed yet (names how many ended otherwise).
+        """
+        with self._driver.cond:
+            done = [r for r in self._driver.trials.values() if r.state == "COMPLETE"]
+            ended = sum(r.state in TRIAL_ENDED for r in self._driver.trials.values())
+        if not done:
+            raise ValueError(f"sweep {self.name}: no trial has completed yet ({ended} ended pruned, failed or "
+                             "cancelled): read sweep.results() for why, or wait()")
+        pick = min if self.spec.minimize else max
+        top = pick(done, key=lambda r: r.value)
+        return {"trial": top.number, "value": top.value, "params": dict(top.params), "run_id": top.run_id}
+
+    def counts(self) -> dict[str, int]:
+        """How many trials are in each state (QUEUED, RUNNING, COMPLETE, PRUNED, FAILED, CANCELLED)."""
+        with self._driver.cond:
+            states = [r.state for r in self._driver.trials.values()]
+        return {s: states.count(s) for s in TRIAL_STATES}
+
+    def __repr__(self) -> str:
+        shown = " ".join(f"{s.lower()}={n}" for s, n in self.counts().items() if n)
+        return f"<dask_ddp.Sweep {self.name} {self.state} {shown} of {self.spec.n_trials}>"
+
+    def _repr_html_(self) -> str:
+        """The sweep in a notebook: its state, trial counts and the results table (re-run the cell to refresh)."""
+        head = f"<b>dask-ddp sweep {self.name}</b>: {self.state} &middot; " + ", ".join(
+            f"{n} {s.lower()}" for s, n in self.counts().items() if n) + f" of {self.spec.n_trials}"
+        return head + self.results().drop(columns=["error"], errors="ignore").to_html(index=False, max_rows=50)

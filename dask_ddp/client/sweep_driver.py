@@ -1,0 +1,375 @@
+"""The sweep's driver: asks Optuna for trials, gang-places them, runs each as a job, tells Optuna how it ended.
+
+Runs in: the client, in the sweep's driver thread (one per sweep). Every Optuna call of a sweep is made
+here, so the study is never used from two threads; the trials' jobs only post to the driver's inbox from
+their watcher threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`):
+
+1. take what the jobs posted: rank 0's reports of the metric go to the trial's
+   :class:`~dask_ddp.client.search.Decider`; when Optuna's pruner answers "prune at step s", the trial's
+   job is cancelled (every rank's process is killed together, so no rank can be left waiting in a
+   collective) and the trial is PRUNED at ``s``: its reports after ``s`` do not count. A job's end frees
+   its workers (they are free only once every rank has stopped) and is told to Optuna;
+2. fill the free workers: ask Optuna for trials (a short line of them), pick which fits
+   (:func:`~dask_ddp.client.placement.pick`), seat it (:func:`~dask_ddp.client.placement.place`) and
+   start its job pinned to those workers (``dispatch.run(..., workers=[...])``);
+3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client
+   closed): queued trials are dropped, running ones cancelled, and the sweep ends when they have stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dask_ddp.client import dispatch
+from dask_ddp.client.cluster import scheduler_workers
+from dask_ddp.client.placement import pick, place
+from dask_ddp.client.search import Decider
+from dask_ddp.client.trial import TrialRecord
+from dask_ddp.wire import plan as planning
+from dask_ddp.wire.events import RESERVED_KEYS
+
+__all__ = ["Driver", "SweepSpec", "TrialHooks"]
+
+logger = logging.getLogger("dask_ddp")
+
+LINE = 2  # trials asked ahead of a free slot: a trial of another size may fit where the first does not
+PATIENCE = 4  # times the head of the line may be passed over before it holds the free workers for itself
+RECHECK = 1.0  # seconds between looks at the cluster while nothing ended (workers may have joined)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What a sweep was started with (validated by :func:`dask_ddp.client.sweep.sweep`)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    fixed: dict
+    ranks: Callable[[dict], int]
+    metric: str
+    minimize: bool
+    n_trials: int
+    max_concurrent: int | None
+    max_workers: int | None
+    workers: tuple[str, ...] | None
+    max_failures: int | None
+    run_options: dict
+    progress: bool = True
+
+
+class TrialHooks:
+    """The callbacks of one trial's job: post every metric report and the job's end to the driver's inbox."""
+
+    def __init__(self, inbox: queue.Queue, number: int):
+        self.inbox, self.number = inbox, number
+
+    def on_metrics(self, item: dict) -> None:
+        self.inbox.put(("metric", self.number, item))
+
+    def on_finish(self, job) -> None:
+        self.inbox.put(("end", self.number, job))
+
+
+class Driver:
+    """Runs one sweep (see the module docstring); ``cond`` guards ``trials`` and ``state`` for the handle."""
+
+    def __init__(self, client, spec: SweepSpec, study, searched: dict):
+        self.client, self.spec, self.study, self.searched = client, spec, study, searched
+        self.cond = threading.Condition()
+        self.inbox: queue.Queue = queue.Queue()
+        self.trials: dict[int, TrialRecord] = {}
+        self.state, self.cause, self.error = "RUNNING", "", None
+        self._optuna: dict[int, Any] = {}  # trial number -> its optuna Trial (until told)
+        self._deciders: dict[int, Decider] = {}
+        self._jobs: dict[int, Any] = {}
+        self._line: list[int] = []  # asked, not started, in order
+        self._busy: set[str] = set()
+        self._asked = self.failures = self._passed = 0  # _passed: times the head of the line (_head) was passed
+        self._head: int | None = None
+        self.exhausted = False  # the sampler has nothing left to ask (a walked grid)
+        self._stop: str | None = None  # the sweep's end state once it is stopping
+        self._look_at = 0.0  # monotonic time of the next look at the cluster
+        self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{spec.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, state: str, cause: str) -> None:
+        """Ask the sweep to stop (from any thread): it ends in ``state`` once its running trials have stopped."""
+        self.inbox.put(("stop", state, cause))
+
+    # ---- driving -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until the sweep has ended; a bug here still stops every trial and ends the sweep."""
+        try:
+            while not self.step():
+                pass
+        except Exception as exc:  # noqa: BLE001 - never leave trials running unseen
+            logger.exception("dask-ddp sweep %s: its driver failed", self.spec.name)
+            self.error = f"the sweep's driver failed: {exc!r}; its trials were cancelled"
+            self._abandon()
+            self._finish("FAILED", self.error)
+
+    def _abandon(self) -> None:
+        """After a bug in the driver: cancel every running trial and wait for its ranks (up to 60 s each), and tell
+        Optuna that every trial not yet told failed (so that no trial stays RUNNING in a kept study)."""
+        for job in list(self._jobs.values()):
+            _quiet_cancel(job)
+        for job in list(self._jobs.values()):
+            try:
+                job.wait(60, progress=False)
+            except Exception:  # noqa: BLE001 - the client may be gone: its ranks stop with it
+                logger.warning("dask-ddp could not wait for job %s", job.run_id, exc_info=True)
+        for number, trial in list(self._optuna.items()):
+            try:
+                self.study.tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+            except Exception:  # noqa: BLE001 - told already, or the storage is gone
+                logger.warning("dask-ddp could not tell Optuna that trial %d ended", number, exc_info=True)
+            with self.cond:
+                if self.trials[number].state not in ("COMPLETE", "PRUNED", "FAILED"):
+                    self.trials[number].end("CANCELLED", self.error)
+
+    def step(self, wait: float = 0.1) -> bool:
+        """One iteration (see the module docstring); True once the sweep has ended."""
+        self._take(wait)
+        if self._stop is None and getattr(self.client, "status", None) != "running":
+            self._begin_stop("CANCELLED", "the Dask client closed: its trials' ranks stop with it")
+        if self._stop is not None:
+            if not self._jobs:
+                self._finish(self._stop, self.cause)
+                return True
+            return False
+        self._fill()
+        if (self._asked >= self.spec.n_trials or self.exhausted) and not self._line and not self._jobs:
+            self._finish("FINISHED", f"all {self._asked} trials ended" + (" (the grid is walked)" if
+                                                                          self.exhausted else ""))
+            return True
+        return False
+
+    def _take(self, wait: float) -> None:
+        try:
+            messages = [self.inbox.get(timeout=wait)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for kind, a, b in messages:
+            if kind == "metric":
+                self._metric(a, b)
+            elif kind == "end":
+                self._ended(a, b)
+            elif self._stop is None:
+                self._begin_stop(a, b)
+
+    # ---- what the jobs post --------------------------------------------------------------------------------
+    def _metric(self, number: int, item: dict) -> None:
+        rec = self.trials[number]
+        with self.cond:
+            rec.keys.update(k for k in item if k not in RESERVED_KEYS)
+        decider = self._deciders.get(number)  # None once the trial has ended
+        if item.get("rank") != 0 or self.spec.metric not in item or rec.pruned_at is not None or decider is None:
+            return
+        step, value = int(item["step"]), float(item[self.spec.metric])
+        if decider.last_step is not None and step <= decider.last_step:
+            return  # one value a step, as Optuna keeps
+        with self.cond:
+            rec.add(step, value, self.spec.minimize, item.get("time"))
+        if decider.report(step, value):
+            with self.cond:
+                rec.pruned_at, rec.stopped = step, time.time()
+            logger.info("sweep %s: trial %d pruned at step %d (%s=%g)", self.spec.name, number, step,
+                        self.spec.metric, value)
+            _quiet_cancel(self._jobs[number])
+
+    def _ended(self, number: int, job) -> None:
+        """The trial's job has ended (every rank stopped): free its workers, tell Optuna, count a failure."""
+        optuna = self._optuna_mod()
+        rec, trial = self.trials[number], self._optuna.pop(number)
+        self._jobs.pop(number, None)
+        self._busy.difference_update(rec.workers)
+        self._look_at = 0.0
+        error = _job_error(job)
+        if rec.pruned_at is not None:
+            self._tell(trial, state=optuna.trial.TrialState.PRUNED)
+            self._end(rec, "PRUNED", value=rec.last)  # Optuna keeps the last intermediate value: the same
+        elif job.state == "FINISHED" and rec.steps:
+            self._tell(trial, rec.last)
+            self._end(rec, "COMPLETE", value=rec.last)
+        elif job.state == "FINISHED":
+            seen = ", ".join(sorted(rec.keys)) or "none"
+            self._fail(rec, trial, f"trial {number} (job {rec.run_id}) finished without reporting the metric "
+                                   f"{self.spec.metric!r} on rank 0; the keys it reported: {seen}. Report it with "
+                                   f"dask_ddp.report({self.spec.metric}=value), or pass metric= one of those keys")
+        elif job.state == "CANCELLED" and self._stop is not None:
+            self._tell(trial, state=optuna.trial.TrialState.FAIL)
+            self._end(rec, "CANCELLED", error=f"cancelled: {self.cause}")
+        else:
+            self._fail(rec, trial, f"trial {number} (job {rec.run_id}) failed:\n{error}")
+
+    # ---- filling free workers ------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        if time.monotonic() < self._look_at:
+            return
+        self._look_at = time.monotonic() + RECHECK
+        while self._stop is None:
+            while len(self._line) < LINE and self._asked < self.spec.n_trials and not self.exhausted \
+                    and self._stop is None:
+                self._ask()
+            cap = self.spec.max_concurrent
+            if not self._line or (cap is not None and len(self._jobs) >= cap):
+                return
+            eligible = self._eligible()
+            room = len(eligible) if self.spec.max_workers is None else min(len(eligible), self.spec.max_workers)
+            self._fail_oversized(room)
+            free = [w for w in eligible if w.address not in self._busy]
+            if self.spec.max_workers is not None:
+                free_n = min(len(free), self.spec.max_workers - len(self._busy))
+            else:
+                free_n = len(free)
+            sizes = [self.trials[n].ranks for n in self._line]
+            if self._line and self._line[0] != self._head:  # a new head (the last started or failed)
+                self._head, self._passed = self._line[0], 0
+            i = pick(sizes, free_n, self._passed, PATIENCE)
+            if i is None:
+                return
+            self._passed += i != 0
+            self._launch(self._line.pop(i), place(sizes[i], free))
+
+    def _eligible(self) -> list[planning.WorkerInfo]:
+        """The running workers the sweep may use (``workers=`` of the sweep, if given)."""
+        found = scheduler_workers(self.client)
+        running = {a: w for a, w in found.items() if w.get("status", "running") == "running"}
+        workers = planning.workers_from_scheduler_info({"workers": running})
+        if self.spec.workers is not None:
+            workers = [w for w in workers if w.address in self.spec.workers or w.name in self.spec.workers]
+        return workers
+
+    def _fail_oversized(self, room: int) -> None:
+        for number in [n for n in self._line if self.trials[n].ranks > room]:
+            if number not in self._line:  # a failure before it stopped the sweep: the line was cleared
+                continue
+            self._line.remove(number)
+            rec = self.trials[number]
+            self._fail(rec, self._optuna.pop(number), f"trial {number} needs {rec.ranks} ranks, but the sweep may "
+                       f"use only {room} workers now (max_workers={self.spec.max_workers}, "
+                       f"workers={self.spec.workers}): add workers or lower ranks_per_trial")
+
+    def _ask(self) -> None:
+        trial = self.study.ask(self.searched)
+        self._asked += 1
+        params = {**trial.params, **self.spec.fixed}
+        rec = TrialRecord(trial.number, params, 0)
+        self._optuna[trial.number] = trial
+        with self.cond:
+            self.trials[trial.number] = rec
+        try:
+            rec.ranks = self.spec.ranks(params)
+        except Exception:  # noqa: BLE001 - the user's ranks_per_trial: the trial fails, the sweep goes on
+            return self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial failed for trial "
+                              f"{trial.number} ({params}):\n{traceback.format_exc()}")
+        if isinstance(rec.ranks, bool) or not isinstance(rec.ranks, int) or rec.ranks < 1:
+            return self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial gave {rec.ranks!r} for "
+                              f"trial {trial.number} ({params}): expected a positive int")
+        self._deciders[trial.number] = Decider(trial)
+        self._line.append(trial.number)
+
+    def _launch(self, number: int, addresses: list[str]) -> None:
+        rec, spec = self.trials[number], self.spec
+        with self.cond:
+            rec.state, rec.workers, rec.started = "RUNNING", tuple(addresses), time.time()
+        self._busy.update(addresses)
+        try:
+            job = dispatch.run(self.client, spec.fn, *spec.args, workers=list(addresses),
+                               name=f"{spec.name}-trial{number}", callbacks=[TrialHooks(self.inbox, number)],
+                               progress=False, **spec.run_options, **spec.kwargs, **rec.params)
+        except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
+            self._busy.difference_update(addresses)
+            return self._fail(rec, self._optuna.pop(number), f"trial {number} could not start on "
+                              f"{', '.join(addresses)}:\n{traceback.format_exc()}")
+        self._jobs[number] = job
+        with self.cond:
+            rec.run_id = job.run_id
+
+    # ---- ending --------------------------------------------------------------------------------------------
+    def _tell(self, trial, value: float | None = None, state=None) -> None:
+        """``study.tell``. Optuna's GridSampler calls ``study.stop()`` there once its grid is walked, which only
+        ``study.optimize`` allows (RuntimeError); the trial's end is stored all the same (Optuna stores it in a
+        ``finally``), and the sweep stops asking: every point of the grid has had its trial."""
+        optuna = self._optuna_mod()
+        try:
+            self.study.tell(trial, value, state=state)
+        except RuntimeError:
+            sampler = self.study.sampler
+            if not (isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(self.study)):
+                raise
+            self.exhausted = True
+
+    def _fail(self, rec: TrialRecord, trial, error: str) -> None:
+        self._tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+        self._end(rec, "FAILED", error=error)
+        self.failures += 1
+        logger.warning("sweep %s: %s", self.spec.name, error.splitlines()[0])
+        limit = self.spec.max_failures
+        if limit is not None and self.failures >= limit and self._stop is None:
+            self._begin_stop("FAILED", f"{self.failures} trials failed (max_failures={limit}); the first: "
+                                       f"{self._first_error()}")
+
+    def _first_error(self) -> str:
+        return next((r.error for r in sorted(self.trials.values(), key=lambda r: r.ended or 0)
+                     if r.state == "FAILED" and r.error), "")
+
+    def _end(self, rec: TrialRecord, state: str, value: float | None = None, error: str | None = None) -> None:
+        self._deciders.pop(rec.number, None)
+        with self.cond:
+            rec.value = value
+            rec.end(state, error)
+            self.cond.notify_all()
+
+    def _begin_stop(self, state: str, cause: str) -> None:
+        self._stop, self.cause = state, cause
+        logger.info("sweep %s: stopping (%s)", self.spec.name, cause)
+        for number in self._line:
+            self._tell(self._optuna.pop(number), state=self._optuna_mod().trial.TrialState.FAIL)
+            self._end(self.trials[number], "CANCELLED", error=f"never started: {cause}")
+        self._line.clear()
+        for job in list(self._jobs.values()):
+            _quiet_cancel(job)
+
+    def _finish(self, state: str, cause: str) -> None:
+        with self.cond:
+            self.state, self.cause = state, cause
+            self.cond.notify_all()
+        logger.info("sweep %s %s: %s", self.spec.name, state, cause)
+
+    @staticmethod
+    def _optuna_mod():
+        import optuna
+
+        return optuna
+
+
+def _quiet_cancel(job) -> None:
+    """Cancel a trial's job without waiting (its end reaches the inbox through ``on_finish``)."""
+    try:
+        job.cancel(timeout=0)
+    except Exception:  # noqa: BLE001 - the client may be closing: the job then ends on its own
+        logger.warning("dask-ddp could not cancel job %s", getattr(job, "run_id", job), exc_info=True)
+
+
+def _job_error(job) -> str | None:
+    """The job's error with its traceback (None when it finished)."""
+    try:
+        job.result(timeout=60, progress=False)
+    except BaseException as exc:  # noqa: BLE001 - the rank's own exception, JobCancelledError, ...
+        return "".join(traceback.format_exception(exc))
+    return None

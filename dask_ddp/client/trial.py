@@ -1,0 +1,74 @@
+"""One trial of a sweep as the notebook knows it: parameters, placement, metric trace summary, end.
+
+Runs in: the client. The sweep's driver thread writes a :class:`TrialRecord`; the
+:class:`~dask_ddp.client.sweep.Sweep` handle reads it (under the sweep's lock). A trial's states::
+
+    QUEUED -> RUNNING -> COMPLETE    (the job finished; its value is the last report of the metric)
+                      -> PRUNED      (the pruner stopped it at ``pruned_at``: its job was cancelled)
+                      -> FAILED      (a rank raised, a worker left, a stall, the metric never reported)
+           -> CANCELLED              (sweep.cancel(), the failure limit, or the client closed, before it ended)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS"]
+
+TRIAL_STATES = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "FAILED", "CANCELLED")
+TRIAL_ENDED = ("COMPLETE", "PRUNED", "FAILED", "CANCELLED")
+#: The columns of ``Sweep.results()`` but the parameters' (``params_<name>``, after ``state``)
+COLUMNS = ("trial", "state", "value", "last", "best", "steps", "last_step", "pruned_at", "ranks", "workers",
+           "run_id", "queued", "started", "first_report", "stopped", "ended", "duration", "error")
+
+
+@dataclass
+class TrialRecord:
+    """A trial: its Optuna number and parameters, where it ran and what it reported (rank 0's reports)."""
+
+    number: int
+    params: dict[str, Any]
+    ranks: int
+    state: str = "QUEUED"
+    workers: tuple[str, ...] = ()
+    run_id: str | None = None
+    steps: int = 0  # rank 0's reports of the metric that count (those after a prune step do not)
+    last_step: int | None = None
+    last: float | None = None
+    best: float | None = None
+    value: float | None = None  # what Optuna was told (COMPLETE) or kept (PRUNED: the last intermediate)
+    pruned_at: int | None = None
+    keys: set[str] = field(default_factory=set)  # every key any rank reported
+    error: str | None = None  # the failure, with its traceback
+    queued: float = field(default_factory=time.time)
+    started: float | None = None  # its job was started
+    first_report: float | None = None  # rank 0's first report of the metric (the rank's clock)
+    stopped: float | None = None  # the pruner's decision: the job was cancelled
+    ended: float | None = None  # its job ended: every rank had stopped
+
+    def add(self, step: int, value: float, minimize: bool, at: float | None = None) -> None:
+        """Count one report of the metric at ``step``, made at ``at`` (``time.time()`` of the rank)."""
+        if self.first_report is None:
+            self.first_report = at
+        self.steps += 1
+        self.last_step, self.last = step, value
+        if not math.isnan(value) and (self.best is None or (value < self.best if minimize else value > self.best)):
+            self.best = value
+
+    def end(self, state: str, error: str | None = None) -> None:
+        self.state, self.ended = state, time.time()
+        if error is not None:
+            self.error = error
+
+    def row(self) -> dict[str, Any]:
+        """The trial's row of ``Sweep.results()``."""
+        duration = None if self.started is None or self.ended is None else self.ended - self.started
+        return {"trial": self.number, "state": self.state, **{f"params_{k}": v for k, v in self.params.items()},
+                "value": self.value, "last": self.last, "best": self.best, "steps": self.steps,
+                "last_step": self.last_step, "pruned_at": self.pruned_at, "ranks": self.ranks,
+                "workers": ",".join(self.workers), "run_id": self.run_id, "queued": self.queued,
+                "started": self.started, "first_report": self.first_report, "stopped": self.stopped,
+                "ended": self.ended, "duration": duration, "error": self.error}

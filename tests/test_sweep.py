@@ -1,0 +1,493 @@
+"""Sweeps (``dask_ddp.sweep``): many DDP trials on one cluster, searched and pruned by Optuna.
+
+Without a cluster: the pure parts (gang placement, the search space) and the decision code replayed on a
+recorded metric trace against Optuna's pruners alone. On a real LocalCluster of 4 worker processes (one
+for the module): trials of 1 and 2 ranks with real gloo all-reduces, ASHA pruning, failures, the failure
+limit, cancel, and bad input; every test checks that no rank process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import defaultdict
+
+import optuna
+import pandas as pd
+import psutil
+import pytest
+from _cluster import leftover_processes, local_client, no_running_ranks, wait_until
+
+import dask_ddp
+from dask_ddp.client import search
+from dask_ddp.client.placement import pick, place
+from dask_ddp.client.sweep_driver import Driver, SweepSpec
+from dask_ddp.client.trial import TRIAL_ENDED
+from dask_ddp.wire.errors import PlanError, SerializationError
+from dask_ddp.wire.plan import WorkerInfo
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+# ---- what the trials run (in the rank processes) ------------------------------------------------------------
+def train(lr, ranks, folder, steps=10, step_time=0.1):
+    """A DDP trial: an all-reduce a step (every rank must take part), the loss reported on every rank; each
+    rank leaves its pid in ``folder`` so that a test can check that it is gone."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    assert ctx.world_size == ranks, (ctx.world_size, ranks)
+    with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    for step in range(steps):
+        t = torch.tensor([(lr - 0.3) ** 2 + 1.0 / (step + 1)])
+        dist.all_reduce(t)
+        dask_ddp.report(loss=t.item() / ctx.world_size, step=step)
+        time.sleep(step_time)
+    return ctx.rank
+
+
+def raises_above(lr, limit=0.5):
+    dask_ddp.report(loss=lr, step=0)
+    if lr > limit:
+        raise ValueError(f"lr {lr} is too large for this model")
+    return lr
+
+
+def reports_other_keys(lr):
+    dask_ddp.report(acc=1 - lr, epoch=0)
+
+
+def hangs(lr):
+    dask_ddp.report(loss=lr, step=0)
+    time.sleep(3600)
+
+
+def slow(lr, folder):
+    ctx = dask_ddp.get_context()
+    with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    for step in range(40):
+        dask_ddp.report(loss=lr, step=step)
+        time.sleep(0.1)
+
+
+def forever(lr):
+    step = 0
+    while True:
+        dask_ddp.report(loss=lr, step=step)
+        step += 1
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def client4():
+    with local_client(4) as c:
+        dask_ddp.dispatch.warm_up(c)
+        yield c
+
+
+def _clean(client) -> None:
+    assert no_running_ranks(client)
+    assert leftover_processes(client) == []
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _intervals_overlap_per_worker(df: pd.DataFrame) -> list[str]:
+    """Workers that two trials held at once (a trial holds its workers from its start to its end)."""
+    held = defaultdict(list)
+    for row in df.dropna(subset=["started"]).itertuples():
+        for w in row.workers.split(","):
+            held[w].append((row.started, row.ended, row.trial))
+    bad = []
+    for w, spans in held.items():
+        spans.sort()
+        bad += [f"{w}: trials {a[2]} and {b[2]}" for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    return bad
+
+
+def _most_busy(df: pd.DataFrame) -> int:
+    """The most workers busy with the sweep's trials at one moment."""
+    edges = []
+    for row in df.dropna(subset=["started"]).itertuples():
+        edges += [(row.started, row.ranks), (row.ended, -row.ranks)]
+    busy = top = 0
+    for _, d in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+        busy += d
+        top = max(top, busy)
+    return top
+
+
+# ---- on the cluster -----------------------------------------------------------------------------------------
+def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2)
+    s = dask_ddp.sweep(client4, train, {"lr": {"low": 0.0, "high": 1.0}, "ranks": [1, 2]}, n_trials=20,
+                       metric="loss", ranks_per_trial="ranks", scheduler=pruner, seed=1,
+                       kwargs={"folder": str(tmp_path)})
+    try:
+        assert s.wait(240), f"the sweep did not end: {s!r}"
+    finally:
+        s.cancel()
+    df = s.results()
+    assert s.state == "FINISHED", (s.state, s.cause)
+    assert len(df) == 20 and set(df["state"]) <= set(TRIAL_ENDED), df[["trial", "state", "error"]]
+    counts = df["state"].value_counts().to_dict()
+    # asynchronous successive halving promotes the first trial to reach a rung (so one trial at least
+    # completes) and then only the top half at each rung: how many complete depends on the order trials end
+    assert counts.get("PRUNED", 0) >= 3 and counts.get("COMPLETE", 0) >= 1, counts
+    assert set(df["ranks"]) == {1, 2}
+    assert (df["workers"].str.split(",").map(len) == df["ranks"]).all()
+    assert {"params_lr", "params_ranks", "value", "last", "best", "steps", "started", "ended", "duration",
+            "run_id"} <= set(df.columns)
+    assert df[["started", "ended", "run_id", "last", "best", "value"]].notna().all().all(), df
+    # a pruned trial counts its reports up to the decision's step, a complete one all ten
+    pruned, done = df[df["state"] == "PRUNED"], df[df["state"] == "COMPLETE"]
+    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < 9).all(), pruned
+    assert (done["steps"] == 10).all() and (done["value"] == done["last"]).all(), done
+    # Optuna was told the same ends
+    told = {t.number: t.state.name for t in s.study.trials}
+    assert told == dict(zip(df["trial"], df["state"])), told
+    # every rank of every pruned trial ran, and its process is gone
+    for row in pruned.itertuples():
+        pids = [int((tmp_path / f"{row.run_id}.{r}").read_text()) for r in range(row.ranks)]
+        alive = [p for p in pids if not _gone(p)]
+        assert not alive, f"trial {row.trial} pruned at {row.pruned_at}: ranks still alive {alive}"
+    # gang placement: a worker serves one trial at a time, never more than the cluster at once
+    assert _intervals_overlap_per_worker(df) == []
+    assert _most_busy(df) <= 4
+    assert s.best["value"] == done["value"].min()
+    _clean(client4)
+
+
+def test_failed_trials_are_recorded_with_their_traceback_and_the_sweep_goes_on(client4, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    s = dask_ddp.sweep(client4, raises_above, {"lr": [0.1, 0.2, 0.7, 0.9]}, n_trials=4, metric="loss",
+                       sampler="grid", scheduler="none", max_failures=None, max_workers=2, storage=storage,
+                       name="fails")
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    df = s.results().set_index("params_lr")
+    assert s.state == "FINISHED", s.cause
+    err = capsys.readouterr().err  # wait()'s progress bar over the trials, as it closed
+    assert any("fails FINISHED" in ln and "4/4" in ln and "failed=2" in ln for ln in err.splitlines()), err[-2000:]
+    assert list(df.loc[[0.7, 0.9], "state"]) == ["FAILED", "FAILED"], df
+    assert list(df.loc[[0.1, 0.2], "state"]) == ["COMPLETE", "COMPLETE"], df
+    for lr in (0.7, 0.9):
+        error = df.loc[lr, "error"]
+        assert "ValueError" in error and f"lr {lr} is too large" in error and "raises_above" in error, error
+    assert _most_busy(s.results()) <= 2  # max_workers
+    # the study is in the SQLite file, with the same ends
+    stored = optuna.load_study(study_name="fails", storage=storage)
+    assert sorted((t.params["lr"], t.state.name) for t in stored.trials) == [
+        (0.1, "COMPLETE"), (0.2, "COMPLETE"), (0.7, "FAIL"), (0.9, "FAIL")]
+    assert s.best == {"trial": s.best["trial"], "value": 0.1, "params": {"lr": 0.1}, "run_id": s.best["run_id"]}
+    _clean(client4)
+
+
+def test_the_failure_limit_stops_the_sweep(client4):
+    s = dask_ddp.sweep(client4, raises_above, {"lr": {"low": 0.6, "high": 1.0}}, n_trials=30, metric="loss",
+                       max_failures=2, kwargs={"limit": 0.5})
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    df = s.results()
+    assert s.state == "FAILED" and "2 trials failed (max_failures=2)" in s.cause and "too large" in s.cause
+    assert (df["state"] == "FAILED").sum() >= 2 and set(df["state"]) <= {"FAILED", "CANCELLED"}, df
+    assert len(df) < 30  # it stopped asking
+    _clean(client4)
+
+
+def test_a_metric_never_reported_fails_the_trial_naming_the_keys_reported(client4):
+    s = dask_ddp.sweep(client4, reports_other_keys, {"lr": [0.1]}, n_trials=1, metric="loss")
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    row = s.results().iloc[0]
+    assert row["state"] == "FAILED"
+    assert "'loss'" in row["error"] and "acc, epoch" in row["error"], row["error"]
+    with pytest.raises(ValueError, match="no trial has completed"):
+        s.best  # noqa: B018
+    _clean(client4)
+
+
+def test_cancel_stops_every_trial(client4):
+    s = dask_ddp.sweep(client4, forever, {"lr": {"low": 0.0, "high": 1.0}}, n_trials=10, metric="loss",
+                       scheduler="none", ranks_per_trial=2)
+    try:
+        wait_until(lambda: (s.results()["steps"] > 0).sum() == 2, 120,
+                   what="two trials (all the 4 workers hold) reporting")
+    finally:
+        assert s.cancel(60)
+    df = s.results()
+    assert s.state == "CANCELLED" and set(df["state"]) == {"CANCELLED"}, df
+    assert "CANCELLED" in repr(s) and "cancelled" in s._repr_html_()
+    assert (df["steps"] > 0).sum() == 2  # the two that ran had reported
+    _clean(client4)
+
+
+def test_a_hanging_trial_is_failed_by_the_stall_watch_and_the_sweep_goes_on(client4):
+    s = dask_ddp.sweep(client4, hangs, {"lr": [0.1, 0.2]}, n_trials=2, metric="loss", sampler="grid",
+                       max_failures=None, run_options={"stall_timeout": 1.0})
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    df = s.results()
+    assert s.state == "FINISHED" and list(df["state"]) == ["FAILED", "FAILED"], df
+    assert df["error"].str.contains("StallError").all(), df["error"].tolist()
+    _clean(client4)
+
+
+def test_the_client_dying_stops_every_trial(client4, tmp_path):
+    """A notebook's kernel killed while its sweep runs: the trials' ranks stop (the rule of every job)."""
+    script = tmp_path / "notebook.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from dask.distributed import Client
+        import dask_ddp
+
+        def forever(lr):
+            step = 0
+            while True:
+                dask_ddp.report(loss=lr, step=step)
+                step += 1
+                time.sleep(0.1)
+
+        if __name__ == "__main__":
+            client = Client({client4.scheduler.address!r})
+            s = dask_ddp.sweep(client, forever, {{"lr": {{"low": 0.0, "high": 1.0}}}}, n_trials=8, metric="loss",
+                               scheduler="none")
+            while (s.results()["steps"] > 0).sum() < 4:  # four trials' ranks run and report
+                time.sleep(0.1)
+            print("RUNNING", flush=True)
+            time.sleep(3600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "RUNNING"
+        assert not no_running_ranks(client4)
+        proc.kill()
+        proc.wait(30)
+        killed = time.monotonic()
+        wait_until(lambda: no_running_ranks(client4), 60, what="every trial's ranks stopped")
+        print(f"ranks gone {time.monotonic() - killed:.1f} s after the client was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _clean(client4)
+
+
+def test_a_worker_killed_mid_trial_fails_that_trial_and_the_sweep_goes_on(client4, tmp_path):
+    """Last of the cluster tests: the killed worker's nanny starts a new one (a new address)."""
+    s = dask_ddp.sweep(client4, slow, {"lr": [0.1, 0.2, 0.3, 0.4, 0.5]}, n_trials=5, metric="loss", sampler="grid",
+                       scheduler="none", max_failures=None, max_concurrent=2, kwargs={"folder": str(tmp_path)})
+    try:
+        wait_until(lambda: len(s.results().query("state == 'RUNNING' and steps > 0")) == 2, 120,
+                   what="two trials reporting")
+        victim = s.results().query("state == 'RUNNING'").iloc[0]
+        client4.run(os._exit, 1, workers=[victim["workers"]], on_error="ignore")
+        assert s.wait(180)
+    finally:
+        s.cancel()
+    df = s.results().set_index("trial")
+    assert s.state == "FINISHED", s.cause
+    assert df.loc[victim["trial"], "state"] == "FAILED", df
+    assert "WorkerLostError" in df.loc[victim["trial"], "error"], df.loc[victim["trial"], "error"]
+    assert (df.drop(index=victim["trial"])["state"] == "COMPLETE").all(), df
+    pid = int((tmp_path / f"{df.loc[victim['trial'], 'run_id']}.0").read_text())
+    wait_until(lambda: _gone(pid), 30, what=f"the killed worker's rank process {pid} gone")
+    wait_until(lambda: len(client4.scheduler_info(n_workers=-1)["workers"]) == 4, 60, what="the worker's return")
+    _clean(client4)
+
+
+def test_a_bug_in_the_driver_cancels_the_running_trials_and_ends_the_sweep(client4, monkeypatch):
+    """The driver's own failure (made here by a broken metric handler) must not leave trials running."""
+    def broken(self, number, item):
+        raise RuntimeError("a bug in the driver")
+
+    monkeypatch.setattr(Driver, "_metric", broken)
+    s = dask_ddp.sweep(client4, forever, {"lr": [0.1, 0.2]}, n_trials=2, metric="loss", sampler="grid")
+    try:
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    assert s.state == "FAILED" and "a bug in the driver" in s.cause and "cancelled" in s.cause, s.cause
+    df = s.results()
+    assert set(df["state"]) <= {"CANCELLED", "QUEUED"} and (df["state"] == "CANCELLED").any(), df
+    assert {t.state.name for t in s.study.trials if t.number in set(df.query("state == 'CANCELLED'")["trial"])} \
+        == {"FAIL"}
+    _clean(client4)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"ranks_per_trial": 5}, PlanError, "ranks_per_trial=5, but the sweep may use only 4 workers"),
+    ({"ranks_per_trial": 2, "max_workers": 1}, PlanError, "only 1 workers"),
+    ({"space": {"lr": {"low": 1.0, "high": 0.1}}}, ValueError, r"space\['lr'\]"),
+    ({"space": {"lr": object()}}, TypeError, r"space\['lr'\].*not a distribution"),
+    ({"space": {"timeout": [1, 2]}}, ValueError, "'timeout' is also a keyword of dispatch.run"),
+    ({"run_options": {"workers": 2}}, ValueError, "set by the sweep"),
+    ({"mode": "best"}, ValueError, "mode='best'"),
+    ({"scheduler": "pbt"}, ValueError, "scheduler='pbt': unknown"),
+    ({"sampler": "grid", "space": {"lr": {"low": 0.0, "high": 1.0}}}, ValueError, "lr is a range"),
+    ({"n_trials": 0}, PlanError, "n_trials=0"),
+    ({"kwargs": {"lock": threading.Lock()}}, SerializationError, "keyword argument 'lock'"),
+    ({"ranks_per_trial": "width"}, ValueError, "names no parameter"),
+])
+def test_bad_input_is_refused_before_anything_starts(client4, kw, error, match):
+    args = {"space": {"lr": [0.1, 0.2]}, "n_trials": 2, "metric": "loss", **kw}
+    space = args.pop("space")
+    with pytest.raises(error, match=match):
+        dask_ddp.sweep(client4, raises_above, space, **args)
+
+
+# ---- without a cluster ----------------------------------------------------------------------------------------
+def _trace(n_trials: int = 24, steps: int = 12) -> list[list[float]]:
+    """A recorded metric trace: each trial's loss at steps 0..steps-1 (a curve per trial, with noise)."""
+    import random
+
+    rng = random.Random(7)
+    out = []
+    for _ in range(n_trials):
+        floor, speed = rng.uniform(0.1, 1.0), rng.uniform(0.2, 1.0)
+        out.append([floor + 1.0 / (1 + speed * s) + rng.gauss(0, 0.02) for s in range(steps)])
+    return out
+
+
+def _optuna_alone(pruner, trace) -> list[int | None]:
+    """Optuna's pruner by itself on the trace: each trial's prune step (None: it ran to its end)."""
+    decisions = []
+
+    def objective(trial):
+        for step, value in enumerate(trace[trial.number]):
+            trial.report(value, step)
+            if trial.should_prune():
+                decisions.append(step)
+                raise optuna.TrialPruned()
+        decisions.append(None)
+        return trace[trial.number][-1]
+
+    optuna.create_study(study_name="replay", pruner=pruner).optimize(objective, n_trials=len(trace))
+    return decisions
+
+
+class _Ended:
+    """What the driver reads of a trial's ended job (replay only: no cluster, no job)."""
+
+    def __init__(self):
+        self.state, self.cancelled = "FINISHED", False
+
+    def cancel(self, timeout=None):
+        self.cancelled = True
+
+    def result(self, timeout=None, progress=None):
+        return [None]
+
+
+def _through_the_sweep(pruner, trace) -> list[int | None]:
+    """The same trace through the sweep's driver: rank 0's and rank 1's report items as a 2-rank trial's job
+    posts them, each step twice (a duplicate), the job cancelled on the driver's decision."""
+    study = optuna.create_study(study_name="replay", pruner=pruner)
+    spec = SweepSpec(name="replay", fn=train, args=(), kwargs={}, fixed={}, ranks=lambda p: 2, metric="loss",
+                     minimize=True, n_trials=len(trace), max_concurrent=None, max_workers=None, workers=None,
+                     max_failures=None, run_options={})
+    driver, decisions = Driver(None, spec, study, {}), []
+    for values in trace:
+        driver._ask()
+        number = driver._line.pop(0)
+        job = driver._jobs[number] = _Ended()
+        for step, value in enumerate(values):
+            for item in ({"rank": 1, "step": step, "loss": value + 5}, {"rank": 0, "step": step, "loss": value},
+                         {"rank": 0, "step": step, "loss": value + 9}):
+                driver._metric(number, item)
+            if job.cancelled:
+                break
+        driver._ended(number, job)
+        rec = driver.trials[number]
+        decisions.append(rec.pruned_at)
+        assert rec.state == ("PRUNED" if job.cancelled else "COMPLETE"), rec
+    return decisions
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2),
+    lambda: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=12, reduction_factor=3),
+    lambda: optuna.pruners.MedianPruner(n_startup_trials=3),
+], ids=["asha", "hyperband", "median"])
+def test_replayed_trace_gives_the_decisions_of_optunas_pruner_alone(make):
+    trace = _trace()
+    alone, ours = _optuna_alone(make(), trace), _through_the_sweep(make(), trace)
+    assert ours == alone
+    assert 0 < sum(d is not None for d in alone) < len(trace), alone  # some pruned, some not: a real comparison
+
+
+def _workers(**per_host) -> list[WorkerInfo]:
+    return [WorkerInfo(f"tcp://{h}:{4000 + i}", h, 4000 + i, f"{h}-{i}") for h, n in per_host.items()
+            for i in range(n)]
+
+
+def test_placement_takes_the_best_fitting_host_then_as_few_hosts_as_possible():
+    free = _workers(**{"10.0.0.1": 3, "10.0.0.2": 2, "10.0.0.3": 1})
+    assert place(1, free) == ["tcp://10.0.0.3:4000"]  # the smallest hole that fits
+    assert place(2, free) == ["tcp://10.0.0.2:4000", "tcp://10.0.0.2:4001"]
+    assert place(3, free) == [f"tcp://10.0.0.1:{p}" for p in (4000, 4001, 4002)]
+    assert place(5, free) == [f"tcp://10.0.0.1:{p}" for p in (4000, 4001, 4002)] + [
+        "tcp://10.0.0.2:4000", "tcp://10.0.0.2:4001"]
+    assert place(7, free) is None
+    with pytest.raises(ValueError, match="positive int"):
+        place(0, free)
+
+
+def test_pick_lets_a_smaller_trial_pass_a_waiting_one_only_a_few_times():
+    assert pick([2, 1], free=2, passed=0, patience=4) == 0
+    assert pick([2, 1], free=1, passed=0, patience=4) == 1
+    assert pick([2, 1], free=1, passed=4, patience=4) is None  # the 2-rank trial now holds the free worker
+    assert pick([3, 3], free=2, passed=0, patience=4) is None
+    assert pick([], free=4, passed=0, patience=4) is None
+
+
+@pytest.mark.parametrize("name, kind", [("tpe", "TPESampler"), (None, "TPESampler"), ("random", "RandomSampler"),
+                                        ("grid", "GridSampler"), ("gp", "GPSampler")])
+def test_samplers_by_name(name, kind):
+    searched, _ = search.distributions({"lr": [0.1, 0.2]})
+    assert type(search.make_sampler(name, searched, seed=0)).__name__ == kind
+
+
+@pytest.mark.parametrize("name, kind", [("asha", "SuccessiveHalvingPruner"), ("hyperband", "HyperbandPruner"),
+                                        ("median", "MedianPruner"), ("none", "NopPruner"), (None, "NopPruner")])
+def test_pruners_by_name(name, kind):
+    assert type(search.make_pruner(name)).__name__ == kind
+
+
+def test_space_entries_become_optuna_distributions():
+    searched, fixed = search.distributions({"lr": {"low": 1e-4, "high": 1e-1, "log": True}, "layers": {
+        "low": 1, "high": 4}, "act": ["relu", "gelu"], "epochs": 3, "opt": optuna.distributions.FloatDistribution(
+        0, 1)})
+    assert isinstance(searched["lr"], optuna.distributions.FloatDistribution) and searched["lr"].log
+    assert isinstance(searched["layers"], optuna.distributions.IntDistribution)
+    assert searched["act"].choices == ("relu", "gelu") and fixed == {"epochs": 3}
+    with pytest.raises(ValueError, match="nothing to search"):
+        search.distributions({"epochs": 3})
+    with pytest.raises(ValueError, match=r"space\['lr'\].*'low' and 'high'"):
+        search.distributions({"lr": {"low": 0.1}})
+    with pytest.raises(TypeError, match="identifiers"):
+        search.distributions({"learning rate": [1]})
+
+
+def test_a_trial_row_has_the_columns_of_an_empty_results_table():
+    from dask_ddp.client.trial import COLUMNS, TrialRecord
+
+    row = TrialRecord(3, {"lr": 0.1, "ranks": 2}, 2).row()
+    assert [k for k in row if not k.startswith("params_")] == list(COLUMNS)
+    assert row["params_lr"] == 0.1 and list(row).index("params_lr") == 2  # the parameters after the state
