@@ -51,7 +51,8 @@ __version__ = "0.1.0"
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
          "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
-         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink"}
+         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink",
+         "slurm_options": "client.slurm"}
 
 
 def __getattr__(name: str):
@@ -71,5 +72,5 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink",
-    "Preempted", "preempted", "on_preemption",
+    "Preempted", "preempted", "on_preemption", "slurm_options",
 ]
