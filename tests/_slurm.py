@@ -155,6 +155,14 @@ class LocalSlurm:
         out = self.run("squeue", "-h", "-o", "%i %T", check=False)
         return dict(line.split() for line in out.splitlines() if line.strip())
 
+    def minutes_run(self, job_id: str) -> int:
+        """Whole minutes job ``job_id`` has run (its ``RunTime``, rounded down)."""
+        out = self.run("scontrol", "show", "job", job_id)
+        run_time = dict(f.split("=", 1) for f in out.split() if "=" in f)["RunTime"]  # [D-]HH:MM:SS
+        days, _, hms = run_time.rpartition("-")
+        h, m, _ = (int(x) for x in hms.split(":"))
+        return (int(days or 0) * 24 + h) * 60 + m
+
     def wait_job(self, job_id: str, timeout: float) -> tuple[str, str]:
         """Wait until job ``job_id`` has ended; return its state and exit code (``("COMPLETED", "0:0")``).
 

@@ -12,7 +12,6 @@ where SLURM cannot start (not root, ``slurm-wlm``/``munge`` not installed: ``.ci
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -128,10 +127,11 @@ def test_slurm_workers_take_scancel_and_the_time_limit_signal_as_preemption_noti
         t0 = time.time()
         cluster.scale(2)
         client.wait_for_workers(2, timeout=120)
+        joined = time.time() - t0
         job = run(client, train_until, str(stop), workers=(1, 2), checkpoint_dir=str(tmp_path / "ckpt"))
         wait_until(lambda: len(job.metrics) > 0, 120, what="the first step")
         first = job.metrics["t"].min() - t0
-        print(f"SLURMCluster.scale(2) to the job's first step: {first:.2f} s")
+        print(f"SLURMCluster.scale(2) to the job's first step: {first:.2f} s (both workers joined at {joined:.2f} s)")
 
         # 1. scancel of the job of rank 1's worker: SIGTERM to all its processes, SIGKILL KillWait (30 s) later
         wait_until(lambda: job.metrics["step"].max() >= 20, 120, what="20 steps")
@@ -145,15 +145,15 @@ def test_slurm_workers_take_scancel_and_the_time_limit_signal_as_preemption_noti
         [cause] = restarts(job)
         assert cause.startswith("preempted:") and "saved step" in cause and "0 steps lost" in cause, job.history
 
-        # 2. a worker job whose time limit comes: SLURM sends --signal=B:TERM@N to its batch shell, which is its
-        # `dask worker` (exec). slurmctld sends it up to 30 s early (its periodic check): @10 on a 1-minute job
-        # comes 20 s after the start at the soonest, once the job has grown onto the new worker.
-        short = re.sub(r"#SBATCH -t \S+", "#SBATCH -t 00:01:00", script).replace("B:TERM@60", "B:TERM@10")
-        short = short.replace("--name dummy-name", "--name short-lived")
+        # 2. a worker job whose time limit comes: SLURM sends --signal=B:TERM@100 to its batch shell, which is its
+        # `dask worker` (exec). Its limit is cut (scontrol) once the job has grown onto it, to 60-120 s from then:
+        # the signal is due at once, and slurmctld sends it at its next check (every 30 s).
+        short = script.replace("B:TERM@60", "B:TERM@100").replace("--name dummy-name", "--name short-lived")
         (tmp_path / "short.sh").write_text(short)
-        slurm.run("sbatch", str(tmp_path / "short.sh"))
+        short_job = slurm.run("sbatch", "--parsable", str(tmp_path / "short.sh")).strip().split(";")[0]
         assert wait_until(lambda: any(str(r.name) == "short-lived" for r in job.plan.ranks)
                           and job.metrics["attempt"].max() >= 2, 120, must=False), job.history  # from 0
+        slurm.run("scontrol", "update", f"JobId={short_job}", f"TimeLimit={slurm.minutes_run(short_job) + 2}")
         assert wait_until(lambda: len(restarts(job)) >= 3, 120, must=False), job.history
         grew, noticed = restarts(job)[1:3]
         assert grew.startswith("grew:") and "saved step" in grew and "0 steps lost" in grew, job.history
@@ -174,6 +174,7 @@ def test_the_sbatch_example_starts_its_workers_with_srun_and_runs_a_script(slurm
     repo = Path(__file__).resolve().parent.parent
     env = {**slurm.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    t0 = time.time()
     out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
                           "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=00:05:00",
                           f"--output={tmp_path}/out-%j.txt", f"--chdir={repo}", "examples/slurm/ddp.sbatch",
@@ -182,6 +183,7 @@ def test_the_sbatch_example_starts_its_workers_with_srun_and_runs_a_script(slurm
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().split(";")[0]
     state, code = slurm.wait_job(job_id, 180)
+    print(f"sbatch examples/slurm/ddp.sbatch (2 tasks, 5 steps) to the job's end: {time.time() - t0:.2f} s")
     text = (tmp_path / f"out-{job_id}.txt").read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:]
     assert "dask-ddp slurm: scheduler tcp://127.0.0.1:" in text and "starting 2 workers on localhost" in text
@@ -227,3 +229,20 @@ def test_a_wrong_partition_is_named(slurm):
     with pytest.raises(DaskDDPError, match="check the partition name"):
         slurm_mod.scheduler_host("no-such-partition")
     assert slurm_mod.partition_addresses("debug") == ["127.0.0.1"]
+
+
+def test_dask_ddp_slurm_outside_a_slurm_job_is_a_usage_error(monkeypatch, capsys):
+    from dask_ddp.cli import main
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert main(["slurm", "examples/torchrun_script.py"]) == 2
+    assert "run `dask-ddp slurm` inside an sbatch script" in capsys.readouterr().err
+
+
+def test_the_workers_step_is_one_nanny_run_worker_per_task():
+    from dask_ddp.cli.slurm import worker_command
+
+    cmd = worker_command("tcp://10.0.0.1:8786", 8, 4, "--local-directory '/scratch/my dir'")
+    assert cmd[:3] == ["srun", "--ntasks=8", "--kill-on-bad-exit=0"]
+    assert cmd[3:] == [sys.executable, "-m", "distributed.cli.dask_worker", "tcp://10.0.0.1:8786", "--nthreads", "4",
+                       "--nanny", "--no-dashboard", "--local-directory", "/scratch/my dir"]

@@ -29,6 +29,7 @@ import time
 from dask_ddp.cli import run, siblings
 from dask_ddp.cli.common import EXIT_FAILED, usage_error
 from dask_ddp.cli.script import load_script
+from dask_ddp.wire.errors import DaskDDPError
 
 __all__ = ["add_parser", "main", "allocation", "scheduler_address_for", "worker_command"]
 
@@ -129,7 +130,11 @@ def main(args: argparse.Namespace) -> int:
         return usage_error("slurm", f"{type(exc).__name__}: {exc}")
     from dask.distributed import Client, LocalCluster
 
-    host = scheduler_address_for(nodes, os.environ.get("SLURMD_NODENAME"))
+    try:
+        host = scheduler_address_for(nodes, os.environ.get("SLURMD_NODENAME"))
+    except DaskDDPError as exc:
+        print(f"dask-ddp slurm: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     with contextlib.ExitStack() as stack:
         workers: list[subprocess.Popen] = []
         stack.callback(_stop, workers)  # last: the scheduler's close has told the workers to go by then
