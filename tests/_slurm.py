@@ -9,12 +9,15 @@ signal to a pid we hold. Client commands (``sbatch``, ``squeue``, ``scancel``) f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+import psutil
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "sinfo", "scontrol")
@@ -198,3 +201,15 @@ class LocalSlurm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        for proc in self.leftovers():  # a job step slurmd left running (slurmstepd outlives slurmd)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    def leftovers(self) -> list:
+        """Processes this SLURM started (slurmstepd, jobs: they inherit its ``SLURM_CONF``), this one excepted."""
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.pid != os.getpid() and proc.environ().get("SLURM_CONF") == str(self.conf):
+                    found.append(proc)
+        return found

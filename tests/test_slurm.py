@@ -51,9 +51,10 @@ def slurm(tmp_path_factory):
             os.environ["SLURM_CONF"] = old
 
 
-def train_until(stop_file, pause=0.1, every=25):
+def train_until(stop_file, pause=0.1, every=25, save_time=1.5):
     """DDP steps until ``stop_file`` exists (the ranks agree on the step through an all-reduce); resumes from
-    the job's latest checkpoint and saves at a notice (``on_preemption``); returns the last step."""
+    the job's latest checkpoint and saves at a notice (``on_preemption``; the save takes ``save_time`` s, as a
+    real model's would); returns the last step."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -71,7 +72,11 @@ def train_until(stop_file, pause=0.1, every=25):
     def snapshot():
         return {"model": model.module.state_dict(), "step": step}
 
-    dask_ddp.on_preemption(snapshot)
+    def slow_snapshot():
+        time.sleep(save_time)
+        return snapshot()
+
+    dask_ddp.on_preemption(slow_snapshot)
     while True:
         step += 1
         g = torch.Generator().manual_seed(step * 1000 + ctx.rank)
