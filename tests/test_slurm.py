@@ -210,6 +210,18 @@ def test_slurm_options_complete_what_the_caller_passed():
     assert mine["job_extra_directives"] == ["--signal=USR1@90"] and mine["python"] == "exec python3"
 
 
+def test_the_sites_jobqueue_settings_count_as_passed():
+    import dask
+
+    site = {"jobqueue.slurm.interface": "ib0", "jobqueue.slurm.python": "/site/env/bin/python",
+            "jobqueue.slurm.job-extra-directives": ["--qos=high"],
+            "jobqueue.slurm.worker-extra-args": ["--lifetime", "1h"]}
+    with dask.config.set(site):
+        opts = slurm_mod.slurm_options(queue="no-such-partition")  # no sinfo call: the site names the interface
+    assert opts["python"] == "exec /site/env/bin/python" and opts["worker_extra_args"] == ["--lifetime", "1h"]
+    assert opts["job_extra_directives"] == ["--qos=high", "--signal=B:TERM@60"] and opts["scheduler_options"] == {}
+
+
 @pytest.mark.parametrize("kwargs, match", [({"notice": 20}, "grace-period"), ({"ports": (5000, 5000)}, "lo < hi"),
                                            ({"gpus": 0}, "at least 1 GPU")])
 def test_slurm_options_refuse_what_cannot_work(kwargs, match):

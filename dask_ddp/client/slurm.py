@@ -26,13 +26,14 @@ gives each worker job what a DDP job needs, which plain ``SLURMCluster`` leaves 
 
 from __future__ import annotations
 
-import ipaddress
 import shlex
 import shutil
 import socket
 import subprocess
 import sys
 from typing import Any
+
+import dask
 
 from dask_ddp.wire.errors import DaskDDPError
 from dask_ddp.wire.notices import grace_period
@@ -108,6 +109,7 @@ def slurm_options(*, notice: int = DEFAULT_NOTICE, ports: tuple[int, int] | None
                   **cluster_kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for ``dask_jobqueue.SLURMCluster``: ``cluster_kwargs`` completed for dask-ddp.
 
+    A setting of the site's dask-jobqueue configuration (``jobqueue.slurm.*``) counts as passed.
     ``notice``: seconds before the walltime at which SLURM sends SIGTERM (``--signal=B:TERM@notice``); it
     must leave the job ``ddp.preemption.grace-period`` to save. ``ports``: a ``(lo, hi)`` range for the
     workers' and Nannies' ports. ``gpus``: GPUs per worker job (see the module's docstring). Everything the
@@ -128,10 +130,10 @@ def slurm_options(*, notice: int = DEFAULT_NOTICE, ports: tuple[int, int] | None
         raise ValueError(f"slurm_options(notice={notice}) leaves the job less than ddp.preemption.grace-period "
                          f"({grace:.0f} s) plus 5 s to save before SLURM's SIGKILL: pass notice >= {grace + 5:.0f} "
                          "or lower the grace period")
-    directives = list(kw.get("job_extra_directives") or [])
+    directives = list(_given(kw, "job_extra_directives") or [])
     if not any(d.strip().startswith("--signal") for d in directives):
         directives.append(f"--signal=B:TERM@{int(notice)}")
-    extra_args = list(kw.get("worker_extra_args") or [])
+    extra_args = list(_given(kw, "worker_extra_args") or [])
     if ports is not None:
         extra_args += _port_args(ports)
     if gpus is not None:
@@ -142,13 +144,20 @@ def slurm_options(*, notice: int = DEFAULT_NOTICE, ports: tuple[int, int] | None
         kw.setdefault("processes", gpus)  # one worker (one rank) per GPU; each rank takes a GPU of its own
     kw["job_extra_directives"] = directives
     kw["worker_extra_args"] = extra_args
-    python = kw.get("python") or sys.executable
+    python = _given(kw, "python") or sys.executable
     kw["python"] = python if python.split()[0] == "exec" else f"exec {python}"
-    sched = dict(kw.get("scheduler_options") or {})
-    if not (kw.get("interface") or sched.get("host") or sched.get("interface")):
-        sched["host"] = scheduler_host(kw.get("queue"))
+    sched = dict(_given(kw, "scheduler_options") or {})
+    if not (_given(kw, "interface") or sched.get("host") or sched.get("interface")):
+        sched["host"] = scheduler_host(_given(kw, "queue"))
     kw["scheduler_options"] = sched
     return kw
+
+
+def _given(kw: dict, name: str) -> Any:
+    """What the caller passed for ``name``, else the site's dask-jobqueue setting (``jobqueue.slurm.<name>``)."""
+    if kw.get(name) is not None:
+        return kw[name]
+    return dask.config.get(f"jobqueue.slurm.{name.replace('_', '-')}", None)
 
 
 def _port_args(ports: tuple[int, int]) -> list[str]:
@@ -158,10 +167,3 @@ def _port_args(ports: tuple[int, int]) -> list[str]:
     mid = (lo + hi) // 2
     return ["--worker-port", f"{lo}:{mid}", "--nanny-port", f"{mid + 1}:{hi}"]
 
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (then only workers on this very host can reach it). Raises nothing."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
