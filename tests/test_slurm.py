@@ -263,3 +263,30 @@ def test_the_workers_step_is_one_nanny_run_worker_per_task():
     assert cmd[:3] == ["srun", "--ntasks=8", "--kill-on-bad-exit=0"]
     assert cmd[3:] == [sys.executable, "-m", "distributed.cli.dask_worker", "tcp://10.0.0.1:8786", "--nthreads", "4",
                        "--nanny", "--no-dashboard", "--local-directory", "/scratch/my dir"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_a_worker_is_a_notice_also_without_slurm(tmp_path):
+    """What ``scancel`` does, on a LocalCluster: SIGTERM at once to a worker process, its zygote and its rank
+    (its Nanny runs in this process here). The worker drains before it closes, and the rank, forked from the
+    zygote, outlives the zygote's SIGTERM while it saves (1.5 s)."""
+    import signal
+
+    from _cluster import local_client, rank_process_pids
+
+    stop = tmp_path / "stop"
+    with local_client(2) as client:
+        job = run(client, train_until, str(stop), workers=(1, 2), checkpoint_dir=str(tmp_path / "ckpt"))
+        wait_until(lambda: not job.metrics.empty and job.metrics["step"].max() >= 10, 120, what="10 steps")
+        victim = job.plan.addresses[1]
+        pids = rank_process_pids(client)[victim]
+        worker_pid = client.run(os.getpid, workers=[victim])[victim]
+        for pid in [worker_pid, *pids["spare"], *pids["running"]]:  # the zygote is the worker's warm process
+            os.kill(pid, signal.SIGTERM)
+        assert wait_until(lambda: restarts(job), 120, must=False), job.history
+        cause = restarts(job)[0]
+        assert cause.startswith("preempted:") and "saved step" in cause and "0 steps lost" in cause, job.history
+        stop.write_text("")
+        last = job.result(timeout=120)
+        steps = sorted(job.metrics.query("rank == 0")["step"])
+        assert steps == list(range(last[0] + 1)), "steps were lost or repeated"
