@@ -11,7 +11,9 @@ where SLURM cannot start (not root, ``slurm-wlm``/``munge`` not installed: ``.ci
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -176,17 +178,8 @@ def test_slurm_workers_take_scancel_and_the_time_limit_signal_as_preemption_noti
 @pytest.mark.slow
 def test_the_sbatch_example_starts_its_workers_with_srun_and_runs_a_script(slurm, tmp_path):
     """examples/slurm/ddp.sbatch as a user submits it, its resources scaled down to this machine."""
-    repo = Path(__file__).resolve().parent.parent
-    env = {**slurm.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     t0 = time.time()
-    out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                          "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=00:05:00",
-                          f"--output={tmp_path}/out-%j.txt", f"--chdir={repo}", "examples/slurm/ddp.sbatch",
-                          "examples/torchrun_script.py", "--steps", "5"],
-                         capture_output=True, text=True, env=env, cwd=repo, timeout=30)
-    assert out.returncode == 0, out.stderr
-    job_id = out.stdout.strip().split(";")[0]
+    job_id = sbatch_example(slurm, tmp_path, "examples/torchrun_script.py", "--steps", "5")
     state, code = slurm.wait_job(job_id, 180)
     print(f"sbatch examples/slurm/ddp.sbatch (2 tasks, 5 steps) to the job's end: {time.time() - t0:.2f} s")
     text = (tmp_path / f"out-{job_id}.txt").read_text()
@@ -194,6 +187,57 @@ def test_the_sbatch_example_starts_its_workers_with_srun_and_runs_a_script(slurm
     assert "dask-ddp slurm: scheduler tcp://127.0.0.1:" in text and "starting 2 workers on localhost" in text
     assert "[rank 0] done: world size 2" in text and "ranks agree: True" in text, text[-3000:]
     wait_until(lambda: not job_processes(slurm), 30, what="no process of the batch job left")
+
+
+NOTICE_SCRIPT = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+import dask_ddp
+dist.init_process_group("gloo", init_method="env://")
+rank, saved = dist.get_rank(), sys.argv[1]
+for step in range(100000):
+    dist.all_reduce(torch.ones(1))
+    dask_ddp.report(step=step)
+    if (notice := dask_ddp.preempted()) is not None:
+        if rank == 0:
+            with open(saved, "w") as f:
+                json.dump({"step": notice.step}, f)
+        print(f"saved at step {notice.step}", flush=True)
+        raise notice
+    if step == 5:
+        print("step 5", flush=True)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_the_sbatch_examples_workers_take_slurms_signal_as_a_notice(slurm, tmp_path):
+    """``scancel --signal=TERM`` signals the job steps, as ``--signal=TERM@120`` does before the time limit: the
+    workers' srun step. The ranks save at one step, the run ends and says why."""
+    (tmp_path / "notice.py").write_text(NOTICE_SCRIPT)
+    job_id = sbatch_example(slurm, tmp_path, str(tmp_path / "notice.py"), str(tmp_path / "saved.json"))
+    out = tmp_path / f"out-{job_id}.txt"
+    wait_until(lambda: out.exists() and "[rank 0] step 5" in out.read_text(), 120, what="the script's step 5")
+    slurm.run("scancel", "--signal=TERM", job_id)
+    state, code = slurm.wait_job(job_id, 120)
+    text = out.read_text()
+    saved = sorted(set(re.findall(r"\[rank (\d)\] saved at step (\d+)", text)))
+    assert [rank for rank, _ in saved] == ["0", "1"] and saved[0][1] == saved[1][1], text[-3000:]
+    assert json.loads((tmp_path / "saved.json").read_text()) == {"step": int(saved[0][1])}
+    assert (state, code) == ("FAILED", "1:0") and "the workers' srun step ended while the job ran" in text, text[-3000:]
+
+
+def sbatch_example(slurm, tmp_path, *script_and_args: str) -> str:
+    """Submit examples/slurm/ddp.sbatch as a user would, its resources scaled down to this machine; its job id."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**slurm.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                          "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=00:05:00",
+                          f"--output={tmp_path}/out-%j.txt", f"--chdir={repo}", "examples/slurm/ddp.sbatch",
+                          *script_and_args], capture_output=True, text=True, env=env, cwd=repo, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
 
 
 def test_slurm_options_complete_what_the_caller_passed():

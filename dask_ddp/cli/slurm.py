@@ -154,7 +154,20 @@ def main(args: argparse.Namespace) -> int:
                   "errors", file=sys.stderr)
             return EXIT_FAILED
         args.workers, args.scheduler = tasks, cluster.scheduler_address
-        return run._run_script(client, script, args)
+        code = run._run_script(client, script, args)
+        if code and _ends_within(workers[0], 10.0):  # srun exits a little after its workers left the scheduler
+            print("dask-ddp slurm: the workers' srun step ended while the job ran (SLURM's --signal before the "
+                  "time limit, scancel, or the limit itself): what the ranks saved at the notice is what the "
+                  "script resumes from when you submit it again", file=sys.stderr)
+        return code
+
+
+def _ends_within(proc: subprocess.Popen, wait: float) -> bool:
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _stop(workers: list[subprocess.Popen], wait: float = 30.0) -> None:
