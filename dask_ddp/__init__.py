@@ -54,7 +54,7 @@ __version__ = "0.1.0"
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
          "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
          "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "client.sweep",
-         "Sweep": "client.sweep"}
+         "Sweep": "client.sweep", "slurm_options": "client.slurm"}
 
 
 def __getattr__(name: str):
@@ -74,5 +74,5 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink",
-    "Preempted", "preempted", "on_preemption", "sweep", "Sweep",
+    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "slurm_options",
 ]

@@ -28,7 +28,7 @@ def _cuda_available() -> bool:
 # (pytest-xdist, --dist loadfile), and the short files then fill the end of the run instead of one worker
 # finishing a long file alone. Within a file the order stays as written.
 LONGEST_FIRST = ("test_preemption.py", "test_hosts.py", "test_resilience.py", "test_demo.py", "test_cli.py",
-                 "test_hardening.py")
+                 "test_hardening.py", "test_slurm.py")
 
 
 def pytest_collection_modifyitems(config, items):

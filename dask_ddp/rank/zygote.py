@@ -64,6 +64,7 @@ def _become_rank(ctl: socket.socket, replies: Connection, wake: tuple[int, int],
         for fd in wake:
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote ignores it; a rank takes it as a notice
         os.setsid()  # a process group of its own: killing it kills its DataLoader workers too
         _send_own_pidfd(chan)
         os.dup2(out, 1)
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     replies = Connection(os.dup(ctl.fileno()), readable=False)
     from dask_ddp.rank import main as rank
 
+    # A batch system signals every process of a job (``scancel``: SIGTERM to all, SIGKILL KillWait s later):
+    # the zygote must outlive the ranks it forked, which die with it, while they save for that notice. It ends
+    # when its worker goes (the socket's end, below) or by SIGKILL (Zygote.close).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank.warm_imports()
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:  # see the module docstring: forking beside a live thread can deadlock the child

@@ -2,7 +2,8 @@
 
 Runs in: the Dask worker (:func:`drain`, from :meth:`RankHost.teardown
 <dask_ddp.worker.plugin.RankHost.teardown>` when the worker closes: ``retire_workers``,
-``adapt()`` and ``cluster.scale(n)`` down, a worker closed directly), the
+``adapt()`` and ``cluster.scale(n)`` down, a worker closed directly; and from
+:func:`leave_on_sigterm`'s handler: SIGTERM to the worker process itself), the
 Nanny (:class:`LeaveGracefully`: SIGTERM to a ``dask worker`` process, whose
 Nanny would otherwise stop the worker process within 8 s), and the client
 (:func:`register`, :func:`notify`).
@@ -13,12 +14,20 @@ ddp.preemption.grace-period``, then hold the close until those ranks have
 stopped at the agreed step (their save is committed) or the deadline passes.
 The ranks pass the notice to every other rank of the job themselves (see
 :mod:`dask_ddp.rank.preemption`).
+
+Why the worker process handles SIGTERM too: a batch system signals every
+process of a job, not only its main one (SLURM's ``scancel`` sends SIGTERM to
+all of them, then SIGKILL ``KillWait`` s later), and a worker process that a
+Nanny runs otherwise dies of it at once, its ranks with it, before its Nanny
+can ask it to drain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 import time
 import weakref
 
@@ -28,7 +37,7 @@ from distributed.protocol import pickle
 
 from dask_ddp.wire.notices import Notice, grace_period
 
-__all__ = ["drain", "LeaveGracefully", "register", "notify", "grace_period"]
+__all__ = ["drain", "leave_on_sigterm", "LeaveGracefully", "register", "notify", "grace_period"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -64,6 +73,48 @@ async def drain_on_worker(cause: str, dask_worker=None) -> int:
     if told:
         await asyncio.sleep(0.5)  # let the ranks' task results reach the scheduler before the process stops
     return told
+
+
+def leave_on_sigterm(host) -> bool:
+    """Make SIGTERM to this worker process (one that a Nanny runs) a preemption notice; True if it now is.
+
+    On SIGTERM the worker drains (:func:`drain`: its ranks save at a step they agree on, within
+    ``ddp.preemption.grace-period``), then closes as a worker that is told to (its ranks' results reach the
+    scheduler first); its Nanny goes on as when the process died of SIGTERM before (it starts a new one
+    unless it is closing itself). A worker with no rank running closes at once. Left alone: a worker without
+    a Nanny (the ``dask worker --no-nanny`` command closes it on SIGTERM, and :meth:`RankHost.teardown
+    <dask_ddp.worker.plugin.RankHost.teardown>` drains), a SIGTERM handler that is someone else's, and any
+    call off the main thread or outside the worker's event loop. Raises nothing.
+    """
+    if getattr(host.worker, "nanny", None) is None or threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    try:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, _on_sigterm, host)
+    except (RuntimeError, ValueError, NotImplementedError):  # no loop here, or a platform without it
+        return False
+    return True
+
+
+def _on_sigterm(host) -> None:
+    if getattr(host, "_leaving", False):
+        return  # a second SIGTERM while draining: the first one's deadline stands
+    host._leaving = True
+    asyncio.ensure_future(_leave(host))
+
+
+async def _leave(host) -> None:
+    worker = host.worker
+    address = getattr(worker, "address", "?")
+    try:
+        await drain(host, f"worker {address} received SIGTERM (a batch system's notice: SLURM's scancel or "
+                          "--signal, a pod stopped)")
+    finally:
+        # Close, not die: the ranks' task results go to the scheduler before the stream closes. nanny=False:
+        # the Nanny decides, as it did when SIGTERM ended the process (it is closing too, or starts a new one).
+        await worker.close(nanny=False, reason="signal-15")
 
 
 class LeaveGracefully(NannyPlugin):

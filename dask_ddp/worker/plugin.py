@@ -32,7 +32,7 @@ from distributed.core import Status
 from dask_ddp.wire.notices import Notice
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.hub import HANDLER, Hubs
-from dask_ddp.worker.leaving import RANK_HOST, drain
+from dask_ddp.worker.leaving import RANK_HOST, drain, leave_on_sigterm
 from dask_ddp.worker.leaving import register as leave_gracefully
 from dask_ddp.worker.process import RankProcess, Zygote
 from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root
@@ -204,6 +204,7 @@ class RankHost(WorkerPlugin):
         worker.handlers[HANDLER] = self.hubs.receive  # the ranks of this host may send their event batches here
         sweep_tmp_roots()  # what a killed worker's ranks left in the temp folder
         ignore_interrupts(worker)
+        leave_on_sigterm(self)  # a batch system's SIGTERM to every process of the job: the ranks save first
 
     async def teardown(self, worker) -> None:
         """Stop the zygote or spare; when the worker is closing, let its ranks save for a preemption (up to

@@ -1,0 +1,336 @@
+"""SLURM as a deployment target, on a real single-node SLURM (munged, slurmctld, slurmd on 127.0.0.1).
+
+The workers are batch jobs that dask-jobqueue's ``SLURMCluster`` submits with ``sbatch``, configured by
+``dask_ddp.slurm_options``; the DDP job is elastic (``workers=(1, 2)``), on gloo, with checkpoints.
+``scancel`` of a worker job mid-training (SIGTERM to every process of that job) and SLURM's own
+``--signal=B:TERM@N`` before a worker job's time limit are both preemption notices: the job saves at an
+agreed step, loses none, and goes on with the workers left. The SLURM daemons run as root in a folder of
+the test's; the fixture stops them, and every job, also when a test fails. Skipped, with the reason,
+where SLURM cannot start (not root, ``slurm-wlm``/``munge`` not installed: ``.ci/run`` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from _cluster import run, wait_until
+from _slurm import LocalSlurm, why_not
+
+import dask_ddp
+from dask_ddp.client import slurm as slurm_mod
+from dask_ddp.wire.errors import DaskDDPError
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running single-node SLURM; ``SLURM_CONF`` points this process's ``sbatch``/``scancel`` at it."""
+    reason = why_not()
+    if reason:
+        pytest.skip(f"no local SLURM: {reason}")
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue is not installed (pip install -e '.[test]')")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        try:
+            cluster.start()
+        except RuntimeError as exc:
+            pytest.skip(f"the local SLURM did not start: {exc}")
+        yield cluster
+    finally:
+        cluster.stop()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def train_until(stop_file, pause=0.1, every=25, save_time=1.5):
+    """DDP steps until ``stop_file`` exists (the ranks agree on the step through an all-reduce); resumes from
+    the job's latest checkpoint and saves at a notice (``on_preemption``; the save takes ``save_time`` s, as a
+    real model's would); returns the last step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = -1
+    state = dask_ddp.load_checkpoint()
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        step = state["step"]
+
+    def snapshot():
+        return {"model": model.module.state_dict(), "step": step}
+
+    def slow_snapshot():
+        time.sleep(save_time)
+        return snapshot()
+
+    dask_ddp.on_preemption(slow_snapshot)
+    while True:
+        step += 1
+        g = torch.Generator().manual_seed(step * 1000 + ctx.rank)
+        loss = ((model(torch.randn(16, 8, generator=g)) - 1) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % every == every - 1:
+            dask_ddp.save_checkpoint(snapshot(), step=step)
+        dask_ddp.report(step=step, world=ctx.world_size, t=time.time())
+        stop = torch.tensor([float(os.path.exists(stop_file))])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            return step
+        time.sleep(pause)
+
+
+def job_of(cluster, name) -> str:
+    """The SLURM job id of the Dask worker named ``name``."""
+    return str(cluster.workers[name].job_id)
+
+
+def restarts(job) -> list[str]:
+    return [cause for _, old, new, cause in job.history if new == "RESTARTING"]
+
+
+def job_processes(slurm: LocalSlurm) -> list[tuple[int, str]]:
+    """Processes that a job of this SLURM started (they inherit its SLURM_JOB_ID and SLURM_CONF): workers,
+    their Nannies, zygotes and ranks."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("SLURM_JOB_ID") and env.get("SLURM_CONF") == str(slurm.conf):
+            found.append((proc.info["pid"], " ".join(proc.info["cmdline"] or [])))
+    return found
+
+
+@pytest.mark.slow
+def test_slurm_workers_take_scancel_and_the_time_limit_signal_as_preemption_notices(slurm, tmp_path):
+    from dask.distributed import Client
+    from dask_jobqueue import SLURMCluster
+
+    options = dask_ddp.slurm_options(queue="debug", cores=1, memory="1GB", walltime="00:10:00",
+                                     log_directory=str(tmp_path / "logs"))
+    assert options["scheduler_options"]["host"] == "127.0.0.1"  # the route to the partition's node (NodeAddr)
+    stop = tmp_path / "stop"
+    with SLURMCluster(**options) as cluster, Client(cluster) as client:
+        script = cluster.job_script()
+        assert "#SBATCH --signal=B:TERM@60" in script and f"exec {sys.executable} -m" in script, script
+        t0 = time.time()
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=120)
+        joined = time.time() - t0
+        job = run(client, train_until, str(stop), workers=(1, 2), checkpoint_dir=str(tmp_path / "ckpt"))
+        wait_until(lambda: len(job.metrics) > 0, 120, what="the first step")
+        first = job.metrics["t"].min() - t0
+        print(f"SLURMCluster.scale(2) to the job's first step: {first:.2f} s (both workers joined at {joined:.2f} s)")
+
+        # 1. scancel of the job of rank 1's worker: SIGTERM to all its processes, SIGKILL KillWait (30 s) later
+        wait_until(lambda: job.metrics["step"].max() >= 20, 120, what="20 steps")
+        victim = job_of(cluster, str(job.plan.ranks[1].name))
+        t1 = time.time()
+        slurm.run("scancel", victim)
+        assert wait_until(lambda: (job.metrics["world"] == 1).any(), 120, must=False), job.history
+        m = job.metrics
+        print(f"scancel of a worker job to the first step after the elastic restart: "
+              f"{m[m['world'] == 1]['t'].min() - t1:.2f} s")
+        [cause] = restarts(job)
+        assert cause.startswith("preempted:") and "saved step" in cause and "0 steps lost" in cause, job.history
+
+        # 2. a worker job whose time limit comes: SLURM sends --signal=B:TERM@100 to its batch shell, which is its
+        # `dask worker` (exec). Its limit is cut (scontrol) once the job has grown onto it, to 60-120 s from then:
+        # the signal is due at once, and slurmctld sends it at its next check (every 30 s).
+        short = script.replace("B:TERM@60", "B:TERM@100").replace("--name dummy-name", "--name short-lived")
+        (tmp_path / "short.sh").write_text(short)
+        short_job = slurm.run("sbatch", "--parsable", str(tmp_path / "short.sh")).strip().split(";")[0]
+        assert wait_until(lambda: any(str(r.name) == "short-lived" for r in job.plan.ranks)
+                          and job.metrics["attempt"].max() >= 2, 120, must=False), job.history  # from 0
+        slurm.run("scontrol", "update", f"JobId={short_job}", f"TimeLimit={slurm.minutes_run(short_job) + 2}")
+        assert wait_until(lambda: len(restarts(job)) >= 3, 120, must=False), job.history
+        grew, noticed = restarts(job)[1:3]
+        assert grew.startswith("grew:") and "saved step" in grew and "0 steps lost" in grew, job.history
+        assert noticed.startswith("preempted:") and "saved step" in noticed and "0 steps lost" in noticed, job.history
+        assert "its Nanny was stopped" in noticed, noticed  # the signal went to the batch shell only: exec worked
+        print("\n".join(f"{new}: {cause}" for _, _, new, cause in job.history))
+        stop.write_text("")
+        last = job.result(timeout=120)
+        steps = sorted(job.metrics.query("rank == 0")["step"])
+        assert steps == list(range(last[0] + 1)), "steps were lost or repeated"
+    wait_until(lambda: not slurm.jobs(), 60, what="every worker job gone")
+    wait_until(lambda: not job_processes(slurm), 30, what="no process of a worker job left")
+
+
+@pytest.mark.slow
+def test_the_sbatch_example_starts_its_workers_with_srun_and_runs_a_script(slurm, tmp_path):
+    """examples/slurm/ddp.sbatch as a user submits it, its resources scaled down to this machine."""
+    t0 = time.time()
+    job_id = sbatch_example(slurm, tmp_path, "examples/torchrun_script.py", "--steps", "5")
+    state, code = slurm.wait_job(job_id, 180)
+    print(f"sbatch examples/slurm/ddp.sbatch (2 tasks, 5 steps) to the job's end: {time.time() - t0:.2f} s")
+    text = (tmp_path / f"out-{job_id}.txt").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), text[-3000:]
+    assert "dask-ddp slurm: scheduler tcp://127.0.0.1:" in text and "starting 2 workers on localhost" in text
+    assert "[rank 0] done: world size 2" in text and "ranks agree: True" in text, text[-3000:]
+    wait_until(lambda: not job_processes(slurm), 30, what="no process of the batch job left")
+
+
+NOTICE_SCRIPT = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+import dask_ddp
+dist.init_process_group("gloo", init_method="env://")
+rank, saved = dist.get_rank(), sys.argv[1]
+for step in range(100000):
+    dist.all_reduce(torch.ones(1))
+    dask_ddp.report(step=step)
+    if (notice := dask_ddp.preempted()) is not None:
+        if rank == 0:
+            with open(saved, "w") as f:
+                json.dump({"step": notice.step}, f)
+        print(f"saved at step {notice.step}", flush=True)
+        raise notice
+    if step == 5:
+        print("step 5", flush=True)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_the_sbatch_examples_workers_take_slurms_signal_as_a_notice(slurm, tmp_path):
+    """``scancel --signal=TERM`` signals the job steps, as ``--signal=TERM@120`` does before the time limit: the
+    workers' srun step. The ranks save at one step, the run ends and says why."""
+    (tmp_path / "notice.py").write_text(NOTICE_SCRIPT)
+    job_id = sbatch_example(slurm, tmp_path, str(tmp_path / "notice.py"), str(tmp_path / "saved.json"))
+    out = tmp_path / f"out-{job_id}.txt"
+    wait_until(lambda: out.exists() and "[rank 0] step 5" in out.read_text(), 120, what="the script's step 5")
+    slurm.run("scancel", "--signal=TERM", job_id)
+    state, code = slurm.wait_job(job_id, 120)
+    text = out.read_text()
+    saved = sorted(set(re.findall(r"\[rank (\d)\] saved at step (\d+)", text)))
+    assert [rank for rank, _ in saved] == ["0", "1"] and saved[0][1] == saved[1][1], text[-3000:]
+    assert json.loads((tmp_path / "saved.json").read_text()) == {"step": int(saved[0][1])}
+    assert (state, code) == ("FAILED", "1:0") and "the workers' srun step ended while the job ran" in text, text[-3000:]
+
+
+def sbatch_example(slurm, tmp_path, *script_and_args: str) -> str:
+    """Submit examples/slurm/ddp.sbatch as a user would, its resources scaled down to this machine; its job id."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**slurm.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                          "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=00:05:00",
+                          f"--output={tmp_path}/out-%j.txt", f"--chdir={repo}", "examples/slurm/ddp.sbatch",
+                          *script_and_args], capture_output=True, text=True, env=env, cwd=repo, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def test_slurm_options_complete_what_the_caller_passed():
+    opts = slurm_mod.slurm_options(queue="gpu", interface="ib0", job_extra_directives=["--exclusive"],
+                                   worker_extra_args=["--lifetime", "55m"], ports=(40000, 40099), gpus=4,
+                                   python="/opt/env/bin/python", notice=120)
+    assert opts["job_extra_directives"] == ["--exclusive", "--signal=B:TERM@120", "--gres=gpu:4"]
+    assert opts["worker_extra_args"] == ["--lifetime", "55m", "--worker-port", "40000:40049",
+                                         "--nanny-port", "40050:40099"]
+    assert opts["python"] == "exec /opt/env/bin/python" and opts["processes"] == 4
+    assert opts["scheduler_options"] == {} and opts["interface"] == "ib0"  # the caller's network: no probe
+    mine = slurm_mod.slurm_options(scheduler_options={"host": "10.0.0.1"}, job_extra_directives=["--signal=USR1@90"],
+                                   python="exec python3")
+    assert mine["job_extra_directives"] == ["--signal=USR1@90"] and mine["python"] == "exec python3"
+
+
+def test_the_sites_jobqueue_settings_count_as_passed():
+    import dask
+
+    site = {"jobqueue.slurm.interface": "ib0", "jobqueue.slurm.python": "/site/env/bin/python",
+            "jobqueue.slurm.job-extra-directives": ["--qos=high"],
+            "jobqueue.slurm.worker-extra-args": ["--lifetime", "1h"]}
+    with dask.config.set(site):
+        opts = slurm_mod.slurm_options(queue="no-such-partition")  # no sinfo call: the site names the interface
+    assert opts["python"] == "exec /site/env/bin/python" and opts["worker_extra_args"] == ["--lifetime", "1h"]
+    assert opts["job_extra_directives"] == ["--qos=high", "--signal=B:TERM@60"] and opts["scheduler_options"] == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [({"notice": 20}, "grace-period"), ({"ports": (5000, 5000)}, "lo < hi"),
+                                           ({"gpus": 0}, "at least 1 GPU")])
+def test_slurm_options_refuse_what_cannot_work(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        slurm_mod.slurm_options(interface="ib0", **kwargs)
+
+
+def test_the_scheduler_address_is_the_route_to_the_nodes():
+    assert slurm_mod.route_to("127.0.0.1") == "127.0.0.1"
+    assert slurm_mod.route_to("localhost") == "127.0.0.1"
+    with pytest.raises(DaskDDPError, match="no route to 'no-such-node.invalid'.*interface="):
+        slurm_mod.route_to("no-such-node.invalid")
+
+
+def test_without_sinfo_the_error_says_what_to_pass(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo here
+    with pytest.raises(DaskDDPError, match="sinfo is not on PATH.*interface="):
+        slurm_mod.slurm_options(queue="debug")
+
+
+def test_a_wrong_partition_is_named(slurm):
+    with pytest.raises(DaskDDPError, match="check the partition name"):
+        slurm_mod.scheduler_host("no-such-partition")
+    assert slurm_mod.partition_addresses("debug") == ["127.0.0.1"]
+
+
+def test_dask_ddp_slurm_outside_a_slurm_job_is_a_usage_error(monkeypatch, capsys):
+    from dask_ddp.cli import main
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert main(["slurm", "examples/torchrun_script.py"]) == 2
+    assert "run `dask-ddp slurm` inside an sbatch script" in capsys.readouterr().err
+
+
+def test_the_workers_step_is_one_nanny_run_worker_per_task():
+    from dask_ddp.cli.slurm import worker_command
+
+    cmd = worker_command("tcp://10.0.0.1:8786", 8, 4, "--local-directory '/scratch/my dir'")
+    assert cmd[:3] == ["srun", "--ntasks=8", "--kill-on-bad-exit=0"]
+    assert cmd[3:] == [sys.executable, "-m", "distributed.cli.dask_worker", "tcp://10.0.0.1:8786", "--nthreads", "4",
+                       "--nanny", "--no-dashboard", "--local-directory", "/scratch/my dir"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_a_worker_is_a_notice_also_without_slurm(tmp_path):
+    """What ``scancel`` does, on a LocalCluster: SIGTERM at once to a worker process, its zygote and its rank
+    (its Nanny runs in this process here). The worker drains before it closes, and the rank, forked from the
+    zygote, outlives the zygote's SIGTERM while it saves (1.5 s)."""
+    import signal
+
+    from _cluster import local_client, rank_process_pids
+
+    stop = tmp_path / "stop"
+    with local_client(2) as client:
+        job = run(client, train_until, str(stop), workers=(1, 2), checkpoint_dir=str(tmp_path / "ckpt"))
+        wait_until(lambda: not job.metrics.empty and job.metrics["step"].max() >= 10, 120, what="10 steps")
+        victim = job.plan.addresses[1]
+        pids = rank_process_pids(client)[victim]
+        worker_pid = client.run(os.getpid, workers=[victim])[victim]
+        for pid in [worker_pid, *pids["spare"], *pids["running"]]:  # the zygote is the worker's warm process
+            os.kill(pid, signal.SIGTERM)
+        assert wait_until(lambda: restarts(job), 120, must=False), job.history
+        cause = restarts(job)[0]
+        assert cause.startswith("preempted:") and "saved step" in cause and "0 steps lost" in cause, job.history
+        stop.write_text("")
+        last = job.result(timeout=120)
+        steps = sorted(job.metrics.query("rank == 0")["step"])
+        assert steps == list(range(last[0] + 1)), "steps were lost or repeated"
