@@ -44,6 +44,7 @@ from dask_ddp.wire.errors import (
     WorkerLostError,
 )
 
+# The one place of the version: pyproject.toml reads it (setuptools dynamic), `dask-ddp --version` shows it.
 __version__ = "0.1.0"
 
 # Imported on first use. torchvision (and so torch) takes seconds to import, and the first task of a job
