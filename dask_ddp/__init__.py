@@ -9,6 +9,7 @@ so it imports neither torch nor the client's machinery until they are used.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
 from dask_ddp.data.checkpoint import (
@@ -55,7 +56,15 @@ _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_f
          "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink"}
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
+    from dask_ddp import checkpoint, compat, dispatch  # noqa: F401 - public modules, not in __all__
+    from dask_ddp.client.detach import DetachedJobNotFound, attach
+    from dask_ddp.client.job import Job
+    from dask_ddp.data.image_folder import ImageDecodeError, S3ImageFolder
+    from dask_ddp.observe.mlflow_sink import MLflowSink
+
+
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
         value = module if _LAZY[name] is None else getattr(module, name)
