@@ -200,3 +200,11 @@ def test_the_getting_started_commands_are_the_readmes():
 
     readme = (ROOT / "README.md").read_text()
     assert first_bash((DOCS / "getting-started.md").read_text()) == first_bash(readme)
+
+
+def test_the_readmes_links_point_at_files_of_the_repository():
+    readme = (ROOT / "README.md").read_text()
+    links = [m for m in re.findall(r"\]\(([^)\s]+)\)", readme) if not urlsplit(m).scheme]
+    assert any(link.startswith("docs/") for link in links), "the README links the documentation"
+    missing = [link for link in links if not (ROOT / urlsplit(link).path).exists()]
+    assert not missing, f"README links files that do not exist: {missing}"
