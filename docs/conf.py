@@ -73,5 +73,5 @@ nb_merge_streams = True
 
 html_theme = "pydata_sphinx_theme"
 html_title = f"dask-ddp {release}"
-html_theme_options = {"navigation_with_keys": False, "show_toc_level": 2}
+html_theme_options = {"navigation_with_keys": False, "show_toc_level": 2, "header_links_before_dropdown": 4}
 html_static_path: list[str] = []
