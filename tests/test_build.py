@@ -51,12 +51,14 @@ def dists(tmp_path_factory) -> dict[str, Path]:
     return found
 
 
+@pytest.mark.slow
 def test_wheel_and_sdist_pass_twine_check(dists):
     out = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dists.values())],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.count("PASSED") == 2, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_settings_and_the_typing_marker_and_its_metadata_is_right(dists):
     with zipfile.ZipFile(dists[".whl"]) as whl:
         names = set(whl.namelist())

@@ -74,6 +74,7 @@ def public_names() -> list[str]:
     return list(dict.fromkeys(names))
 
 
+@pytest.mark.slow
 def test_every_public_name_has_an_entry_in_the_api_reference(site):
     inventory = _inventory(site)
     documented: dict[int, str] = {}
@@ -117,6 +118,7 @@ def _pages(site: Path) -> dict[Path, _Page]:
     return pages
 
 
+@pytest.mark.slow
 def test_every_internal_link_and_anchor_resolves(site):
     pages = _pages(site)
     assert len(pages) >= 25, sorted(p.name for p in pages)
@@ -151,6 +153,7 @@ def test_every_dask_ddp_name_in_the_pages_imports():
     assert not broken, f"the pages name dask_ddp names that do not import: {broken}"
 
 
+@pytest.mark.slow
 def test_the_notebook_page_shows_the_outputs_of_its_run(site):
     html = (site / "generated" / "notebook.html").read_text()
     loss = re.search(r"final loss: (\d+\.\d+)", html)
@@ -187,6 +190,7 @@ def test_the_settings_page_lists_every_setting_with_its_default():
     assert "| `ddp.events.flush-interval` | `1.0` |" in page and "| `ddp.zygote` | `true` |" in page
 
 
+@pytest.mark.slow
 def test_the_settings_and_cli_pages_are_in_the_site(site):
     settings = (site / "reference" / "settings.html").read_text()
     assert "ddp.preemption.grace-period" in settings and "ddp.telemetry.straggler-window" in settings

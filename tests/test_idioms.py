@@ -7,6 +7,7 @@ import pytest
 from test_examples import load_example
 
 
+@pytest.mark.slow
 def test_mixed_precision_on_cpu_forwards_in_bfloat16_and_keeps_float32_parameters(client):
     results = load_example("idiom_mixed_precision").main(["--steps", "40"], client=client)
     assert [r["rank"] for r in results] == [0, 1]

@@ -89,6 +89,7 @@ def _mypy(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_mypy_finds_nothing_in_the_package(tmp_path):
     out = _mypy(["--cache-dir", str(tmp_path / "cache"), "--no-error-summary"], ROOT)  # files: [tool.mypy]
     assert "No module named mypy" not in out.stderr, "mypy is in the test extra: pip install -e '.[test]'"
@@ -180,6 +181,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+@pytest.mark.slow
 def test_a_users_program_passes_strict_mypy_and_each_wrong_type_is_flagged(tmp_path):
     good, bad, marked = _marked(textwrap.dedent(USER_PROGRAM))
     assert len(marked) == 8
