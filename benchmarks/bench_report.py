@@ -211,6 +211,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_report.md")))
     args = ap.parse_args(argv)
+    import dask
+
+    # the pipeline's own cost and speed, not the per-rank cap on bursts (ddp.events.max-bytes-per-interval,
+    # benchmarks/bench_report_flood.py): a tight loop of reports would pass it
+    dask.config.set({"ddp.events.max-bytes-per-interval": 1 << 30})
 
     import dask
     from dask.distributed import Client, LocalCluster

@@ -105,6 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--intervals", type=float, nargs="+", default=[0.1, 0.5])
     ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_report_cpu.md")))
     args = ap.parse_args(argv)
+    import dask
+
+    # the pipeline's own cost and speed, not the per-rank cap on bursts (ddp.events.max-bytes-per-interval,
+    # benchmarks/bench_report_flood.py): a tight loop of reports would pass it
+    dask.config.set({"ddp.events.max-bytes-per-interval": 1 << 30})
 
     import dask
     import numpy as np

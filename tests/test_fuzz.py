@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import dask_ddp
 from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.rank import reporting
-from dask_ddp.wire.events import MAX_LINE, escaped, wire_safe
+from dask_ddp.wire.events import MAX_LINE, escaped, items_of, wire_safe
 from dask_ddp.worker.relay import Relay
 
 SURROGATES = st.integers(0xD800, 0xDFFF).map(chr)
@@ -53,7 +53,7 @@ def buffer():
 @given(key=TEXT, value=NUMBERS)
 @pytest.mark.slow
 def test_report_takes_what_can_travel_and_names_the_key_of_what_cannot(buffer, key, value):
-    buffer.items.clear()
+    buffer.drain()
     try:
         dask_ddp.report(**{"m": 0.0}) if not key else dask_ddp.report({key: value})
     except ValueError as exc:
@@ -69,7 +69,7 @@ def test_report_takes_what_can_travel_and_names_the_key_of_what_cannot(buffer, k
 @given(message=LONG_TEXT, arg=TEXT, name=TEXT)
 @pytest.mark.slow
 def test_log_records_always_encode_and_are_cut(buffer, message, arg, name):
-    buffer.items.clear()
+    buffer.drain()
     handler = reporting._LogHandler(buffer)
     for msg, args in ((message, ()), ("skipping %s", (arg,))):  # logging.warning(text), and with an argument
         handler.emit(logging.LogRecord(name or "x", logging.WARNING, __file__, 1, msg, args, None))
@@ -98,7 +98,8 @@ def test_the_relay_never_publishes_what_msgpack_refuses(lines, items):
     relay.extend([dict(it, kind="metric") for it in items], now=True)
     relay.flush()
     assert all(encodes(msg) for msg in worker.sent)
-    assert sum(len(m["items"]) for m in worker.sent) == len(lines) + len(items)  # nothing lost
+    assert all(encodes(item) for msg in worker.sent for item in items_of(msg))  # unpacked on the client too
+    assert sum(len(items_of(m)) for m in worker.sent) == len(lines) + len(items)  # nothing lost
 
 
 @pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 10**30])
@@ -148,10 +149,12 @@ def test_thousands_of_generated_reports_and_lines_leave_every_worker_in_place(cl
     reports, lines = generated_cases(400)
     assert len(reports) > 1000 and len(lines) > 1000
     workers = sorted(scheduler_workers(client))
-    with dask.config.set({"ddp.echo-logs": False}):
+    # what may travel, not how much (tests/test_limits.py): no limit in the way
+    with dask.config.set({"ddp.echo-logs": False, "ddp.events.max-bytes-per-interval": 64 << 20}):
         job = run(client, noisy_rank, reports, lines)
     ends = job.result(timeout=300)
     assert sorted(scheduler_workers(client)) == workers, "a worker was lost"
+    assert job.dropped == {}
     accepted = sum(e == "ok" for e in ends[0]) + sum(e == "ok" for e in ends[1])
     assert len(job.metrics) == accepted
     refused = [(k, v) for (k, v), e in zip(reports, ends[0]) if e != "ok"]

@@ -127,7 +127,9 @@ def busy(client, tmp_path_factory):
     callbacks = [JSONLinesSink(str(tmp / "deep" / "dir" / "metrics.jsonl")), JSONLinesSink(mem),
                  CSVSink(str(tmp / "metrics.csv"), flush_interval=0), broken, plain_events.append, recorder]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    # 10,000 reports as fast as the rank can: past the default budget per interval, which another test covers
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            dask.config.set({"ddp.events.max-bytes-per-interval": 16 << 20}):
         job = dispatch.run(client, chatty, N_REPORTS, callbacks=callbacks, progress=True)
         values = job.result(timeout=180)
     return {"job": job, "values": values, "tmp": tmp, "mem": mem, "plain": plain_events, "broken": broken,

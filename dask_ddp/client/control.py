@@ -25,6 +25,7 @@ from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.cluster import DaskCluster
 from dask_ddp.client.controller import Controller
 from dask_ddp.client.record import JobRecord
+from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.plan import RankPlan
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.wire.task import topic_of
@@ -32,10 +33,11 @@ from dask_ddp.wire.task import topic_of
 __all__ = ["Control", "LocalControl", "new_record"]
 
 
-def new_record(run_id: str) -> JobRecord:
-    """An empty record for job ``run_id``, bounded by ``ddp.events.max-rows`` and ``max-lines``."""
+def new_record(run_id: str, limits: EventLimits | None = None) -> JobRecord:
+    """An empty record for job ``run_id``, bounded by ``ddp.events.max-rows``, ``max-lines`` and
+    ``max-record-bytes``; ``limits``: what its ranks may send (named when something is dropped)."""
     events = dask.config.get("ddp.events")
-    return JobRecord(run_id, events["max-rows"], events["max-lines"])
+    return JobRecord(run_id, events["max-rows"], events["max-lines"], events["max-record-bytes"], limits)
 
 
 class Control(Protocol):
@@ -75,7 +77,7 @@ class LocalControl:
     """
 
     def __init__(self, client, spec: LaunchSpec, record: JobRecord | None = None, raw_results: bool = False):
-        self.record = new_record(spec.run_id) if record is None else record
+        self.record = new_record(spec.run_id, spec.event_limits) if record is None else record
         self.controller = Controller(spec, spec.run_id, DaskCluster(client, topic_of(spec.run_id)), self.record,
                                      raw_results=raw_results)
         self._thread = threading.Thread(target=self.controller.run, name=f"dask-ddp-job-{spec.run_id}", daemon=True)

@@ -31,7 +31,7 @@ import dask
 from dask_ddp.client import elastic, policy
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.callbacks import Callbacks
-from dask_ddp.client.events import EventOrder
+from dask_ddp.client.events import EventOrder, items_of
 from dask_ddp.client.launch import rank_tasks
 from dask_ddp.client.liveness import SilenceWatch
 from dask_ddp.client.policy import Action
@@ -148,7 +148,7 @@ class Controller:
 
     def _deliver_batches(self, batches: list[dict]) -> None:
         for batch in batches:
-            items = batch.get("items", [])
+            items = items_of(batch)
             self.record.add(items)
             now = self.clock()
             for item in items:

@@ -71,7 +71,7 @@ _LOCK = threading.Lock()
 
 def _start(blob: bytes, dask_scheduler=None) -> str:
     spec: LaunchSpec = cloudpickle.loads(blob)
-    driver = _Driver(spec, new_record(spec.run_id))
+    driver = _Driver(spec, new_record(spec.run_id, spec.event_limits))
     with _LOCK:
         _DRIVERS[spec.run_id] = driver
     # the driver's client speaks to the scheduler as its workers do: with its security (TLS) settings
@@ -126,7 +126,8 @@ def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
         events, after = record.events_since(n, _BATCH)
         out = {"state": record.state, "history": list(record.history), "events": events, "n": after,
                "settled": record.settled and after == record.n_events, "plan": job.plan if job else None,
-               "telemetry": dict(record.telemetry), "stragglers": dict(record.stragglers), "created": record.created}
+               "telemetry": dict(record.telemetry), "stragglers": dict(record.stragglers), "created": record.created,
+               "dropped": dict(record.dropped), "drop_reasons": dict(record.drop_reasons)}
         if out["settled"]:
             out["outcome"] = cloudpickle.dumps((record.error, record.values))
     return out
@@ -205,7 +206,7 @@ class RemoteControl:
 
     def __init__(self, client, spec: LaunchSpec):
         self.client, self.run_id, self.echo = client, spec.run_id, spec.echo_logs
-        self.record = new_record(spec.run_id)
+        self.record = new_record(spec.run_id, spec.event_limits)
         self.plan = None
         self._thread = threading.Thread(target=self._follow, name=f"dask-ddp-follow-{self.run_id}", daemon=True)
 
@@ -262,6 +263,7 @@ class RemoteControl:
             record.state, record.history = snap["state"], snap["history"]
             record.telemetry, record.stragglers = snap.get("telemetry", {}), snap.get("stragglers", {})
             record.created = snap.get("created", record.created)
+            record.dropped, record.drop_reasons = snap.get("dropped", {}), snap.get("drop_reasons", {})
             if snap["settled"]:
                 record.error, values = cloudpickle.loads(snap["outcome"])  # the values still pickled: see _drive
                 record.values = None if values is None else [cloudpickle.loads(v) for v in values]

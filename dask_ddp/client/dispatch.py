@@ -35,6 +35,7 @@ from dask_ddp.dashboard import install as install_dashboard
 from dask_ddp.wire import pickling
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.errors import PlanError, SerializationError
+from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.worker import plugin
 
@@ -316,7 +317,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         flush_interval=_number("ddp.events.flush-interval", cfg["events"]["flush-interval"], minimum=0.001),
         max_batches_per_second=_number("ddp.events.max-batches-per-second", cfg["events"]["max-batches-per-second"],
                                        allow_none=True),
-        events_per_host=_per_host(cfg["events"].get("per-host", "auto")),
+        events_per_host=_per_host(cfg["events"].get("per-host", "auto")), event_limits=_limits(cfg["events"]),
         restart_wait=_number("ddp.restart-wait", cfg["restart-wait"]),
         stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
                               minimum=0.1, allow_none=True),
@@ -324,6 +325,14 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
         echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
         **_telemetry(cfg["telemetry"]))
+
+
+def _limits(cfg: dict) -> EventLimits:
+    """``ddp.events.max-*``: what one rank may send (integers >= 1, see :class:`~dask_ddp.wire.events.EventLimits`)."""
+    names = {"batch_bytes": "max-batch-bytes", "interval_bytes": "max-bytes-per-interval",
+             "report_bytes": "max-report-bytes", "report_keys": "max-report-keys", "key_length": "max-key-length"}
+    return EventLimits(**{field: int(_number(f"ddp.events.{key}", cfg[key], minimum=1))
+                          for field, key in names.items()})
 
 
 def _per_host(value) -> bool | str:

@@ -22,10 +22,10 @@ import threading
 import weakref
 from typing import Callable
 
-from dask_ddp.wire.events import unpack
+from dask_ddp.wire.events import items_of, unpack
 from dask_ddp.worker.relay import drop_topic
 
-__all__ = ["EventOrder", "TopicFeed", "WorkerWatch"]
+__all__ = ["EventOrder", "TopicFeed", "WorkerWatch", "items_of"]
 
 logger = logging.getLogger("dask_ddp")
 

@@ -215,7 +215,8 @@ class Job:
         """A pandas DataFrame of the reports so far: rank, attempt, step, time, elapsed, then the reported keys.
 
         ``time`` is when the rank reported (a UTC timestamp), ``elapsed`` the seconds since the job was
-        started. The latest ``ddp.events.max-rows`` (100,000) reports; a sink keeps the whole history.
+        started. The latest ``ddp.events.max-rows`` (100,000) reports, within ``ddp.events.max-record-bytes``
+        (past it the older half is thinned: every other row dropped); a sink keeps the whole history.
         """
         with self._record.cond:
             rows = list(self._record.metric_rows)
@@ -224,6 +225,14 @@ class Job:
         df["elapsed"] = seconds - self._record.created
         df["time"] = pd.to_datetime(seconds, unit="s", utc=True)
         return df[LEAD + [c for c in df.columns if c not in LEAD and c != "kind"]]
+
+    @property
+    def dropped(self) -> dict[int, int]:
+        """Per rank, how many reports and log records its limits dropped (``ddp.events.max-*``: a report with
+        too many keys, a name too long, too many bytes, or past the rank's bytes per flush interval); ``{}``
+        when none. ``history`` names each reason once, and the total at the end."""
+        with self._record.cond:
+            return dict(self._record.dropped)
 
     @property
     def logs(self) -> list[str]:
@@ -236,7 +245,7 @@ class Job:
 
     @property
     def events(self) -> list[dict]:
-        """The events so far (metrics and logs, as many as ``metrics`` and ``logs`` hold), in arrival order."""
+        """The latest events (metrics and logs, within ``ddp.events.max-record-bytes``), in arrival order."""
         with self._record.cond:
             return list(self._record.events)
 

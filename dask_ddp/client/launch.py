@@ -105,6 +105,7 @@ def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> l
                      backend=spec.backend,
                      call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
                      spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval, **events(r.rank),
+                     limits=spec.event_limits,
                      telemetry_interval=spec.telemetry_interval, max_restarts=spec.max_restarts,
                      checkpoint_dir=spec.checkpoint_dir, checkpoint_options=spec.checkpoint_options,
                      spare_early=attempt < spec.max_restarts)

@@ -13,6 +13,8 @@ import threading
 import time
 from collections import deque
 
+from dask_ddp.wire.events import EventLimits, item_size
+
 __all__ = ["JobRecord", "format_log", "STATES", "ENDED"]
 
 logger = logging.getLogger("dask_ddp")
@@ -33,12 +35,22 @@ class JobRecord:
     """A job's state, history, events and outcome; thread-safe (``cond`` guards everything).
 
     Bounded: it holds the latest ``max_rows`` reports and ``max_lines`` log records (``ddp.events.max-rows``
-    and ``ddp.events.max-lines``); a sink (``JSONLinesSink``) keeps the whole history. ``n_events`` counts
-    every event ever added, so a reader can tell where it is even after the oldest were dropped.
+    and ``ddp.events.max-lines``), and about ``max_bytes`` of them (``ddp.events.max-record-bytes``, counted
+    by :func:`~dask_ddp.wire.events.item_size`): past it the older half of the reports is thinned (every
+    other row goes, the newest half stays whole: a long job keeps its shape), and the oldest lines and
+    events go. A sink (``JSONLinesSink``) keeps the whole history. ``n_events`` counts every event ever
+    added, so a reader can tell where it is even after the oldest were dropped. ``dropped`` counts, per
+    rank, what its ranks' limits dropped (``ddp.events.max-*``, see :class:`~dask_ddp.wire.events.EventLimits`).
     """
 
-    def __init__(self, run_id: str, max_rows: int = 100_000, max_lines: int = 10_000):
+    def __init__(self, run_id: str, max_rows: int = 100_000, max_lines: int = 10_000, max_bytes: int = 32 << 20,
+                 limits: EventLimits | None = None):
         self.run_id = run_id
+        self.max_bytes, self.limits = max_bytes, EventLimits() if limits is None else limits
+        self.sizes = {"metrics": 0, "logs": 0, "events": 0}  # item_size of what each deque holds
+        self.thinned = 0  # reports dropped from metric_rows to stay within max_bytes
+        self.dropped: dict[int, int] = {}  # rank -> reports and lines its limits dropped (all attempts)
+        self.drop_reasons: dict[tuple[str, str], int] = {}  # (what, reason) -> count
         self.cond = threading.Condition()
         self.state = "PENDING"
         self.history: list[tuple[float, str, str, str]] = []  # (time, old, new, cause)
@@ -57,6 +69,7 @@ class JobRecord:
         self.values: list | None = None
         self.settled = False  # True once the end state is set and on_finish callbacks have run
         self._warned = False
+        self._warned_thin = False
 
     def add(self, items: list[dict]) -> None:
         """Keep a delivered batch's items and wake the readers (once per batch: they redraw on each wake)."""
@@ -69,22 +82,73 @@ class JobRecord:
                         it = {**prev, **{k: v for k, v in it.items() if v is not None}}
                     self.telemetry[it["rank"]] = it
                 items = [it for it in items if it.get("kind") != "telemetry"]
+            if any(it.get("kind") == "dropped" for it in items):
+                items = self._count_dropped(items)
             for item in items:
-                self.events.append(item)
+                size = item_size(item)
+                self._append(self.events, "events", item, size)
                 if item.get("kind") == "metric":
-                    self.metric_rows.append(item)
+                    self._append(self.metric_rows, "metrics", item, size)
                     self.n_metrics += 1
                     self.latest[item["rank"]] = item
                     self.top_step = max(self.top_step, item["step"])
                 elif item.get("kind") == "log":
-                    self.log_items.append(item)
+                    self._append(self.log_items, "logs", item, size)
             self.n_events += len(items)
+            self._bound()
             self.cond.notify_all()
         if not self._warned and self.n_metrics > self.max_rows:
             self._warned = True
             logger.warning("job %s: more than %d reports; job.metrics keeps the latest %d (ddp.events.max-rows): "
                            "attach a sink (dask_ddp.JSONLinesSink) for the whole history", self.run_id,
                            self.metric_rows.maxlen, self.metric_rows.maxlen)
+
+    def _append(self, rows: deque, name: str, item: dict, size: int) -> None:
+        if len(rows) == rows.maxlen:
+            self.sizes[name] -= item_size(rows[0])
+        rows.append(item)
+        self.sizes[name] += size
+
+    def _bound(self) -> None:
+        """Hold about ``max_bytes``: thin the older half of the reports, drop the oldest lines and events."""
+        while self.sizes["metrics"] > self.max_bytes // 2 and len(self.metric_rows) > 1:
+            rows = list(self.metric_rows)
+            half = len(rows) // 2
+            kept = rows[:half:2] + rows[half:]
+            self.thinned += len(rows) - len(kept)
+            self.metric_rows = deque(kept, maxlen=self.metric_rows.maxlen)
+            self.sizes["metrics"] = sum(map(item_size, kept))
+            if not self._warned_thin:
+                self._warned_thin = True
+                self.note(f"job.metrics holds more than {self.max_bytes // 2} bytes of reports "
+                          "(ddp.events.max-record-bytes): its older half is thinned (every other row dropped) to "
+                          "stay within it; attach a sink (dask_ddp.JSONLinesSink) for every row")
+        for rows, name in ((self.log_items, "logs"), (self.events, "events")):
+            while self.sizes[name] > self.max_bytes // 4 and len(rows) > 1:
+                self.sizes[name] -= item_size(rows.popleft())
+
+    def _count_dropped(self, items: list[dict]) -> list[dict]:
+        """Count the ``"dropped"`` items (named once per reason in ``history``); the other items."""
+        for it in items:
+            if it.get("kind") != "dropped":
+                continue
+            rank, count, what, reason = it.get("rank"), int(it.get("count") or 0), it.get("what"), it.get("reason")
+            self.dropped[rank] = self.dropped.get(rank, 0) + count
+            first = (what, reason) not in self.drop_reasons
+            self.drop_reasons[what, reason] = self.drop_reasons.get((what, reason), 0) + count
+            if first:
+                self.note(f"rank {rank} sent {what}s past its limit: {self.limits.why(str(reason))}; they are "
+                          f"dropped and counted (job.dropped); report less often or fewer keys, or raise the setting")
+        return [it for it in items if it.get("kind") != "dropped"]
+
+    def dropped_summary(self) -> str | None:
+        """What the ranks' limits dropped, all reasons, as one line (None when nothing was)."""
+        with self.cond:
+            if not self.drop_reasons:
+                return None
+            parts = [f"{n} {what}s ({reason})" for (what, reason), n in sorted(self.drop_reasons.items())]
+            ranks = ", ".join(f"rank {r}: {n}" for r, n in sorted(self.dropped.items(), key=lambda kv: str(kv[0])))
+        return f"dropped past the ranks' limits (ddp.events.max-*): {', '.join(parts)}; by rank: {ranks}"
 
     def events_since(self, n: int, limit: int | None = None) -> tuple[list[dict], int]:
         """Events from number ``n`` on, at most ``limit`` (those dropped meanwhile are skipped), and the number
@@ -112,7 +176,11 @@ class JobRecord:
         logger.warning("job %s: %s", self.run_id, cause)
 
     def settle(self) -> None:
-        """The end state is set and its callbacks have run: wake ``result()``."""
+        """The end state is set and its callbacks have run: wake ``result()`` (with a last ``history`` note of
+        what the ranks' limits dropped, if anything was)."""
+        summary = self.dropped_summary()
+        if summary is not None and not self.settled:
+            self.note(summary)
         with self.cond:
             self.settled = True
             self.cond.notify_all()

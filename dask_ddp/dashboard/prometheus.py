@@ -32,6 +32,7 @@ GAUGES = (
     ("dask_ddp_gpu_memory_peak_bytes", "gpu_mem_peak_bytes", "Peak GPU memory of the rank"),
     ("dask_ddp_last_report_age_seconds", "last_report_age", "Seconds since the rank's last report()"),
     ("dask_ddp_last_seen_seconds", "last_seen", "Seconds since the scheduler last heard from the rank"),
+    ("dask_ddp_dropped_events", "dropped", "Reports and lines of the rank dropped past its limits (ddp.events.max-*)"),
 )
 
 _STATES: "weakref.WeakSet[DashboardState]" = weakref.WeakSet()

@@ -6,9 +6,10 @@ hook; read by the page and the Prometheus collector). Pure bookkeeping, no I/O: 
 Two kinds of messages arrive:
 
 - on a job's own topic (``dask-ddp-<run_id>``), the ranks' event batches
-  ``{"run", "rank", "attempt", "seq", "items": [...]}``: items of kind ``"telemetry"`` (one a second per
+  ``{"run", "rank", "attempt", "seq", "items": [...]}`` (items packed as bytes; a host's hub sends several
+  as ``{"run", "batches": [...]}``): items of kind ``"telemetry"`` (one a second per
   rank) update the rank's row and its step-time history; the last ``"metric"`` item of a batch updates
-  its step and when it was last seen;
+  its step and when it was last seen; items of kind ``"dropped"`` count what the ranks' limits dropped;
 - on ``dask-ddp-jobs``, what the client's controller says: ``{"kind": "job", "run", "name", "state",
   "attempt", "time", "ranks": [{"rank", "worker", "host", "device"}]}`` at every state transition and
   ``{"kind": "straggler", "run", "rank", "worker", "host", "cause", "time", "message"}``.
@@ -26,6 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from dask_ddp.dashboard.jobs import JOB_TOPIC_PREFIX, JOBS_TOPIC
+from dask_ddp.wire.events import items_of, unpack
 
 __all__ = ["DashboardState", "JobView", "RankView", "ENDED", "rank_rows"]
 
@@ -48,6 +50,7 @@ class RankView:
     telemetry: dict = field(default_factory=dict)  # its latest telemetry item
     history: deque = field(default_factory=lambda: deque(maxlen=120))  # (unix time, step time s)
     straggler: str | None = None  # "input" or "compute" once the job named it a straggler
+    dropped: int = 0  # reports and lines its limits dropped this attempt (ddp.events.max-*)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class JobView:
     updated: float = 0.0  # time of the latest job message (older ones arriving late are ignored)
     ranks: dict[int, RankView] = field(default_factory=dict)
     stragglers: deque = field(default_factory=lambda: deque(maxlen=MAX_STRAGGLERS))
+    dropped: int = 0  # reports and lines its ranks' limits dropped, all attempts
 
     @property
     def ended(self) -> bool:
@@ -92,7 +96,10 @@ class DashboardState:
             return False
         try:
             with self.lock:
-                used = self._job_message(msg) if topic == JOBS_TOPIC else self._batch(topic, msg)
+                if topic == JOBS_TOPIC:
+                    used = self._job_message(msg)
+                else:  # a rank's batch, or a host hub's event of several (ddp.events.per-host)
+                    used = any([self._batch(topic, batch) for batch in unpack(msg) if isinstance(batch, dict)])
                 self.version += used
                 return used
         except Exception:  # noqa: BLE001 - a malformed message (a user's odd report) must never reach the scheduler
@@ -133,9 +140,9 @@ class DashboardState:
         return True
 
     def _batch(self, topic: str, msg: dict) -> bool:
-        items = msg.get("items")
-        if not isinstance(items, (list, tuple)):  # Dask's wire (msgpack) delivers lists as tuples
+        if not isinstance(msg.get("items"), (bytes, list, tuple)):  # msgpack delivers lists as tuples
             return False
+        items = items_of(msg)
         run = topic[len(JOB_TOPIC_PREFIX):]
         attempt = int(msg.get("attempt") or 0)
         job = self.jobs.get(run)
@@ -143,10 +150,16 @@ class DashboardState:
             return False  # a late batch of an attempt that was replaced
         used = False
         for item in items:
-            if isinstance(item, dict) and item.get("kind") == "telemetry":
+            if item.get("kind") == "telemetry":
                 self._telemetry(self._get(run, None, item.get("time")), attempt, item)
                 used = True
-        last = next((i for i in reversed(items) if isinstance(i, dict) and i.get("kind") == "metric"), None)
+            elif item.get("kind") == "dropped":
+                job = self._get(run, None, item.get("time"))
+                count = int(item.get("count") or 0)
+                job.dropped += count
+                self._rank(self._at_attempt(job, attempt), int(item["rank"])).dropped += count
+                used = True
+        last = next((i for i in reversed(items) if i.get("kind") == "metric"), None)
         if last is not None:
             view = self._rank(self._at_attempt(self._get(run, None, last.get("time")), attempt), int(last["rank"]))
             view.step, view.seen = last.get("step", view.step), _max(view.seen, last.get("time"))
@@ -210,13 +223,13 @@ def rank_rows(job: JobView, now: float | None = None) -> dict[str, list]:
     now = time.time() if now is None else now
     views = [job.ranks[r] for r in sorted(job.ranks)]
     cols: dict[str, list] = {k: [] for k in ("rank", "worker", "host", "device", "step", "last_seen", "straggler",
-                                             *TELEMETRY_FIELDS)}
+                                             "dropped", *TELEMETRY_FIELDS)}
     for v in views:
         t = v.telemetry
         device = v.device or (None if not t else "cuda" if t.get("gpu_mem_bytes") is not None else "cpu")
         for key, value in (("rank", v.rank), ("worker", v.worker), ("host", v.host), ("device", device),
                            ("step", v.step), ("last_seen", None if v.seen is None else max(0.0, now - v.seen)),
-                           ("straggler", v.straggler)):
+                           ("straggler", v.straggler), ("dropped", v.dropped)):
             cols[key].append(value)
         for key in TELEMETRY_FIELDS:
             cols[key].append(t.get(key))

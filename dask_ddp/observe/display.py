@@ -15,7 +15,7 @@ import time
 __all__ = ["rank_rows", "job_html", "LiveTable", "COLUMNS"]
 
 COLUMNS = ("rank", "worker", "host", "device", "step", "step time", "input wait", "collective wait", "samples/s",
-           "CPU", "memory", "GPU", "GPU memory", "last seen", "straggler")
+           "CPU", "memory", "GPU", "GPU memory", "last seen", "dropped", "straggler")
 
 
 def _pct(x) -> str:
@@ -42,7 +42,7 @@ def rank_rows(record, plan, now: float | None = None) -> list[dict]:
     """One row per rank of ``plan`` (the current attempt), columns :data:`COLUMNS`, values as display text."""
     now = time.time() if now is None else now
     with record.cond:
-        telemetry, stragglers = dict(record.telemetry), dict(record.stragglers)
+        telemetry, stragglers, dropped = dict(record.telemetry), dict(record.stragglers), dict(record.dropped)
     rows = []
     for r in (plan.ranks if plan is not None else ()):
         t = telemetry.get(r.rank)
@@ -59,6 +59,7 @@ def rank_rows(record, plan, now: float | None = None) -> list[dict]:
             "CPU": "" if t is None else f"{g['cpu_percent']:.0f}%", "memory": _bytes(g.get("rss_bytes")),
             "GPU": "" if g.get("gpu_util") is None else f"{g['gpu_util']:.0f}%", "GPU memory": gpu_mem,
             "last seen": "" if t is None else f"{max(0.0, now - g['time']):.1f} s ago",
+            "dropped": str(dropped[r.rank]) if dropped.get(r.rank) else "",  # past its limits (ddp.events.max-*)
             "straggler": "straggler: " + stragglers[r.rank] if r.rank in stragglers else "",
         })
     return rows

@@ -169,7 +169,7 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     import torch.distributed as dist  # imported (warm) by main() already; here for its name
 
     spec = task.rank
-    buf = reporting.EventBuffer(spec.rank, task.attempt)
+    buf = reporting.EventBuffer(spec.rank, task.attempt, task.limits)
     sampler = telemetry.start(spec.rank, task.attempt, task.telemetry_interval) if task.telemetry_interval else None
     flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval,
                                                sampler)

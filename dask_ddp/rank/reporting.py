@@ -8,6 +8,11 @@ A background thread of the rank process ships the buffer to its Dask task
 (the supervisor), at most once per ``ddp.events.flush-interval`` (1 s); the
 supervisor publishes each batch at once, as one Dask event. The training
 thread never waits on the network.
+
+What a rank may send is bounded (:class:`~dask_ddp.wire.events.EventLimits`):
+a report past a limit, or past the rank's byte budget for the current flush
+interval, is dropped (the step still counts, and preemption still stops at it),
+and the next batch carries the count of what was dropped, and why.
 """
 
 from __future__ import annotations
@@ -24,7 +29,16 @@ from typing import Any, Callable
 from dask_ddp.rank import preemption as _preemption
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import NotInRankError
-from dask_ddp.wire.events import INT_MAX, INT_MIN, RESERVED_KEYS, clip_line, safe_text
+from dask_ddp.wire.events import (
+    INT_MAX,
+    INT_MIN,
+    RESERVED_KEYS,
+    EventLimits,
+    clip_line,
+    dropped_item,
+    item_size,
+    safe_text,
+)
 
 __all__ = ["report", "RESERVED_KEYS", "safe_text", "clip_line"]
 
@@ -75,13 +89,29 @@ class EventBuffer:
     ``deque.popleft`` and ``next(itertools.count)`` are atomic under the GIL.
     """
 
-    def __init__(self, rank: int, attempt: int):
+    def __init__(self, rank: int, attempt: int, limits: EventLimits | None = None):
         self.rank, self.attempt = rank, attempt
+        self.limits = EventLimits() if limits is None else limits
         self.items: deque[dict] = deque()
         self.steps = itertools.count()
+        self.used = 0  # bytes (item_size) added since the last drain: at most limits.interval_bytes
+        self.dropped: dict[tuple[str, str], int] = {}  # (what, reason) -> count, since the last drain
+        self._drop_lock = threading.Lock()  # the slow path only: drops and their hand-over in drain()
 
-    def add(self, item: dict) -> None:
+    def add(self, item: dict, size: int | None = None, what: str = "line") -> bool:
+        """Queue ``item`` if this interval's budget has room for it (else count it dropped); True if queued."""
+        size = item_size(item) if size is None else size
+        if self.used + size > self.limits.interval_bytes:
+            self.drop(what, "rate")
+            return False
+        self.used += size
         self.items.append(item)
+        return True
+
+    def drop(self, what: str, reason: str) -> None:
+        """Count one report (``what="report"``) or log record (``"line"``) dropped for ``reason``."""
+        with self._drop_lock:
+            self.dropped[what, reason] = self.dropped.get((what, reason), 0) + 1
 
     def next_step(self, step: int | None) -> int:
         if step is None:
@@ -90,12 +120,19 @@ class EventBuffer:
         return step
 
     def drain(self) -> list[dict]:
+        """What is queued, then one ``"dropped"`` item per reason something was dropped since the last drain."""
         out, pop = [], self.items.popleft
+        self.used = 0
         try:
             while True:
                 out.append(pop())
         except IndexError:
-            return out
+            pass
+        if self.dropped:
+            with self._drop_lock:
+                dropped, self.dropped = self.dropped, {}
+            out += [dropped_item(self.rank, self.attempt, what, reason, n) for (what, reason), n in dropped.items()]
+        return out
 
 
 def report(metrics: dict | None = None, /, *, step: int | None = None, **values: Any) -> None:
@@ -107,7 +144,12 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     buffer (a few microseconds); a background thread ships it within 0.1 s,
     or, while the rank reports often, as one batch every
     ``ddp.events.flush-interval`` (1 s). Every report reaches
-    ``job.metrics``, in order. It is the step boundary of preemption: when a
+    ``job.metrics``, in order, within what a rank may send: a report with more
+    than ``ddp.events.max-report-keys`` (256) keys, a name longer than
+    ``max-key-length`` (256), more than ``max-report-bytes`` (16 KiB), or past
+    ``max-bytes-per-interval`` (256 KiB a flush interval: about 3,000 small
+    reports) is dropped and counted in ``job.dropped`` and
+    ``job.history``, never raised. It is the step boundary of preemption: when a
     worker of the job is leaving, every rank stops at one agreed report (see
     :func:`dask_ddp.on_preemption`).
 
@@ -154,10 +196,18 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
             raise TypeError(f"report(step=...) takes an int, got {type(step).__name__}")
         _in_range("step", int(step))
     step = buf.next_step(None if step is None else int(step))
-    buf.items.append({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
-                      **values})
+    size = _STAMP + 11 * len(values) + sum(map(len, values))  # item_size of the item below: its values are numbers
+    fault = buf.limits.report_fault(values, size)
+    if fault is not None:
+        buf.drop("report", fault)
+    else:
+        buf.add({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
+                 **values}, size, "report")
     if _preemption._PENDING is not None:  # a worker of the job leaves: agree on a step, save, stop there
         _preemption.at_report(step)
+
+
+_STAMP = item_size({"kind": "metric", "rank": 0, "attempt": 0, "step": 0, "time": 0.0})
 
 
 def _forget_buffer() -> None:
@@ -215,7 +265,7 @@ class Flusher(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(min(TICK, self.interval)):
             now = time.monotonic()
-            if self.buf.items:
+            if self.buf.items or self.buf.dropped:
                 if now - self._sent >= self.interval:
                     self.flush()
             elif self.sampler is not None and self.sampler.due(now) and now - self._any >= self.interval:

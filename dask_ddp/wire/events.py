@@ -5,9 +5,18 @@ handler), the Dask worker (the relay and the per-host hub) and the client (the j
 
 One rank batch is ``{"run", "rank", "attempt", "seq", "items"}``; a host's hub publishes
 several as ``{"run", "batches": [batch, ...]}`` (:func:`unpack` reads both). ``items`` are
-flat dicts of plain values. Dask's wire is msgpack: ints in [:data:`INT_MIN`,
-:data:`INT_MAX`] and text that encodes as UTF-8. Dask's ``log_event`` checks neither, and a
-value outside breaks the worker's batched stream, so the scheduler drops the worker.
+flat dicts of plain values, packed by the worker into one msgpack ``bytes`` (:func:`pack_items`,
+read back with :func:`items_of`): the scheduler keeps the last 1,000 events of a topic, and as
+bytes they cost it their size, not the ~4x a tree of Python objects costs, and free at once.
+
+What one rank may send is bounded (:class:`EventLimits`, the ``ddp.events.max-*`` settings): a
+report with too many keys, a key too long or too many bytes is dropped, and so is what passes a
+rank's byte budget per flush interval. Nothing is dropped silently: the count travels as an item of
+kind ``"dropped"`` (:func:`dropped_item`) to ``job.dropped``, ``job.history`` and the dashboard.
+
+Dask's wire is msgpack: ints in [:data:`INT_MIN`, :data:`INT_MAX`] and text that encodes as
+UTF-8. Dask's ``log_event`` checks neither, and a value outside breaks the worker's batched stream, so the
+scheduler drops the worker.
 Nothing leaves a rank unchecked: numbers are refused at ``report()``, text is escaped
 (:func:`safe_text`, :func:`clip_line`), and a batch that still would not encode is escaped
 whole (:func:`escaped`) as the last guard.
@@ -15,10 +24,14 @@ whole (:func:`escaped`) as the last guard.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import msgpack
 
 __all__ = ["RESERVED_KEYS", "INT_MIN", "INT_MAX", "MAX_LINE", "safe_text", "clip_line", "wire_safe", "escaped",
-           "unpack", "chunked", "item_size", "batch_size"]
+           "unpack", "chunked", "item_size", "batch_size", "pack_items", "items_of", "EventLimits", "DROP_REASONS",
+           "dropped_item"]
 
 #: Keys every event carries; a metric may not use them.
 RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
@@ -92,10 +105,89 @@ def chunked(things: list, size_of, limit: int):
 
 
 def item_size(item: dict) -> int:
-    """About how many bytes one event item takes (what ``ddp.events.max-batch-bytes`` bounds)."""
-    return 16 + sum(len(k) + (len(v) if isinstance(v, str) else 8) for k, v in item.items())
+    """About how many bytes one event item takes packed (at least its msgpack size for plain values: what
+    ``ddp.events.max-batch-bytes`` and the per-interval budget count)."""
+    return 16 + sum(_text_size(k) + 2 + (_text_size(v) + 5 if isinstance(v, str) else 9) for k, v in item.items())
+
+
+def _text_size(text: str) -> int:
+    """At least the UTF-8 size of ``text`` (4 bytes a character unless it is ASCII)."""
+    return len(text) if text.isascii() else 4 * len(text)
 
 
 def batch_size(batch: dict) -> int:
-    """About how many bytes one rank batch takes: its items and a little for its header."""
-    return 32 + sum(item_size(item) for item in batch.get("items") or [])
+    """About how many bytes one rank batch takes: its items (packed: their exact size) and its header."""
+    items = batch.get("items")
+    if isinstance(items, bytes):
+        return 64 + len(items)
+    return 64 + sum(item_size(item) for item in items or [])
+
+
+def pack_items(items: list[dict]) -> bytes:
+    """``items`` as one msgpack ``bytes`` (escaped first if msgpack refuses them as they are: see :func:`escaped`)."""
+    try:
+        return msgpack.packb(items, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):  # the last guard; UnicodeEncodeError is a ValueError
+        return msgpack.packb(escaped(items), use_bin_type=True)
+
+
+def items_of(batch: dict) -> list[dict]:
+    """The items of one rank batch, unpacked when the worker packed them (:func:`pack_items`); those that are
+    no dicts are left out (a batch that does not unpack gives ``[]``: events are never a reason to fail)."""
+    items = batch.get("items") if isinstance(batch, dict) else None
+    if isinstance(items, (bytes, bytearray, memoryview)):
+        try:
+            items = msgpack.unpackb(items, raw=False, strict_map_key=False)
+        except Exception:  # noqa: BLE001 - corrupt bytes: nothing to show
+            return []
+    if not isinstance(items, (list, tuple)):
+        return []
+    return [item for item in items if isinstance(item, dict)]
+
+
+#: Why a report or line was dropped: the reason's key in a ``"dropped"`` item, and the setting that decides.
+DROP_REASONS = {
+    "rate": "more than {interval_bytes} bytes in one flush interval (ddp.events.max-bytes-per-interval)",
+    "size": "a report of more than {report_bytes} bytes (ddp.events.max-report-bytes)",
+    "keys": "a report of more than {report_keys} keys (ddp.events.max-report-keys)",
+    "key-length": "a metric name longer than {key_length} characters (ddp.events.max-key-length)",
+}
+
+
+@dataclass(frozen=True)
+class EventLimits:
+    """What one rank may send to the notebook: the ``ddp.events.max-*`` settings, read on the client.
+
+    A report over ``report_keys`` keys, with a name over ``key_length`` characters or over ``report_bytes``
+    bytes (:func:`item_size`) is dropped whole; so is any report or log record past ``interval_bytes`` in
+    one flush interval (the rank checks, and the rank's worker checks again, reports and output lines
+    together, with twice the budget). One rank batch is at most ``batch_bytes``. The scheduler holds the
+    last 1,000 events of a job's topic: at most about ``1000 * batch_bytes`` a job.
+    """
+
+    batch_bytes: int = 65536
+    interval_bytes: int = 262144
+    report_bytes: int = 16384
+    report_keys: int = 256
+    key_length: int = 256
+
+    def why(self, reason: str) -> str:
+        """The text of a drop reason, with this limit's value."""
+        return DROP_REASONS.get(reason, reason).format(**self.__dict__)
+
+    def report_fault(self, values: dict, size: int) -> str | None:
+        """Why a report of ``values`` (``size`` bytes by :func:`item_size`) is dropped whole, or None."""
+        if len(values) > self.report_keys:
+            return "keys"
+        if values and max(map(len, values)) > self.key_length:
+            return "key-length"
+        if size > self.report_bytes:
+            return "size"
+        return None
+
+
+def dropped_item(rank: int, attempt: int, what: str, reason: str, count: int) -> dict:
+    """The item that tells the client ``count`` reports (``what="report"``) or output lines (``"line"``) of
+    ``rank`` were dropped for ``reason`` (a key of :data:`DROP_REASONS`)."""
+    return {"kind": "dropped", "rank": rank, "attempt": attempt, "time": time.time(), "what": what,
+            "reason": reason, "count": int(count)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.plan import RankPlan
 
 __all__ = ["LaunchSpec"]
@@ -34,6 +35,7 @@ class LaunchSpec:
     flush_interval: float = 1.0
     max_batches_per_second: float | None = 60  # the job's event batches, all ranks (client.launch.flush_interval_for)
     events_per_host: bool | str = "auto"  # publish through a hub per host (client.launch.hub_plan, ddp.events.per-host)
+    event_limits: EventLimits = field(default_factory=EventLimits)  # what one rank may send (ddp.events.max-*)
     telemetry_interval: float | None = 1.0  # None: no telemetry (ddp.telemetry.enabled: false)
     straggler_window: float | None = 30.0  # seconds one rank must be the cause before it is named; None: off
     stall_timeout: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.plan import RankSpec, torchrun_env
 
 __all__ = ["RankTask", "topic_of", "TOKEN_VARIABLE"]
@@ -39,6 +40,7 @@ class RankTask:
     flush_interval: float = 1.0
     via: str | None = None  # the worker whose hub publishes this rank's event batches with its host's (hub_plan)
     hub_interval: float = 1.0  # seconds between that hub's events
+    limits: EventLimits = field(default_factory=EventLimits)  # what this rank may send (the rank and relay check)
     telemetry_interval: float | None = 1.0  # seconds between a rank's telemetry samples; None: off
     max_restarts: int = 0
     checkpoint_dir: str | None = field(default=None, repr=False)  # its URL may carry credentials (userinfo)

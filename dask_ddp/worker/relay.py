@@ -3,7 +3,7 @@
 Runs in: the Dask worker (the rank supervisor's thread and the relay's own).
 
 :class:`Relay` publishes one event per batch (the format of
-:mod:`dask_ddp.wire.events`) on the job's topic, at most
+:mod:`dask_ddp.wire.events`, items packed as bytes) on the job's topic, at most
 ``ddp.events.max-batch-bytes`` each: a batch of reports from the rank at once
 (the rank sends one at most every ``ddp.events.flush-interval``), with any
 output lines gathered meanwhile; output lines alone at the same pace. Each batch
@@ -12,6 +12,12 @@ its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``); in a job
 that aggregates per host the relay hands its batches to the host's hub instead
 (:mod:`dask_ddp.worker.hub`), which publishes several ranks' batches as one event.
 The client reads them with :class:`dask_ddp.client.events.TopicFeed`.
+
+The relay is where the scheduler is protected from whatever the rank's code
+does (it could bypass ``report()``): reports and output lines past twice the
+rank's byte budget per interval (``ddp.events.max-bytes-per-interval``), and
+any report over ``max-report-bytes``, are dropped here and counted in a
+``"dropped"`` item of the next batch.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 
 import dask
 
-from dask_ddp.wire.events import chunked, clip_line, escaped, item_size, wire_safe
+from dask_ddp.wire.events import EventLimits, chunked, clip_line, dropped_item, item_size, pack_items
 from dask_ddp.worker.hub import forward
 
 __all__ = ["Relay", "drop_topic"]
@@ -36,7 +42,7 @@ class Relay:
     """Collects one rank's events on the worker and publishes them in batches (thread-safe)."""
 
     def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None,
-                 via: str | None = None, hub_interval: float = 1.0):
+                 via: str | None = None, hub_interval: float = 1.0, limits: EventLimits | None = None):
         self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
         self.via, self.hub_interval = via, hub_interval  # the worker whose hub publishes for this host (see hub)
         self.seq = -1
@@ -47,8 +53,11 @@ class Relay:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.interval = dask.config.get("ddp.events.flush-interval") if interval is None else interval
-        self.max_bytes = dask.config.get("ddp.events.max-batch-bytes")
+        self.limits = EventLimits() if limits is None else limits
+        self.max_bytes = self.limits.batch_bytes
         self._published = float("-inf")
+        self._window, self._used = float("-inf"), 0  # the current interval's start and the bytes passed in it
+        self._dropped: dict[tuple[str, str], int] = {}  # (what, reason) -> count, not yet reported
 
     def log(self, stream: str, line: str) -> None:
         self.extend([{"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
@@ -84,17 +93,44 @@ class Relay:
         with self._publish_lock:  # one publisher at a time keeps seq in order
             with self._lock:
                 items, self._items = self._items, []
+            items = self._within_budget(items)
             msgs = [self._message(batch) for batch in chunked(items, item_size, self.max_bytes)]
             if msgs:
                 self._published = time.monotonic()
                 self._publish(msgs, now)
 
+    def _within_budget(self, items: list[dict]) -> list[dict]:
+        """``items`` less the reports and lines past this interval's budget (twice the rank's: its reports and
+        its output lines share it) or over ``max-report-bytes``, with a ``"dropped"`` item per reason."""
+        now = time.monotonic()
+        if now - self._window >= self.interval:
+            self._window, self._used = now, 0
+        budget, kept = 2 * self.limits.interval_bytes, []
+        for item in items:
+            kind = item.get("kind")
+            if kind not in ("metric", "log"):  # telemetry, outcomes, dropped counts: small, always pass
+                kept.append(item)
+                continue
+            size, what = item_size(item), "report" if kind == "metric" else "line"
+            reason = ("size" if kind == "metric" and size > self.limits.report_bytes + 256 else
+                      "rate" if self._used + size > budget else None)
+            if reason is None:
+                self._used += size
+                kept.append(item)
+            else:
+                self._dropped[what, reason] = self._dropped.get((what, reason), 0) + 1
+        if self._dropped:
+            kept += [dropped_item(self.rank, self.attempt, what, reason, n)
+                     for (what, reason), n in self._dropped.items()]
+            self._dropped = {}
+        return kept
+
     def _message(self, batch: list[dict]) -> dict:
         self.seq += 1
-        msg = {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq, "items": batch}
-        if not wire_safe(msg):  # the last guard: a message msgpack refuses would cost the worker its scheduler
-            msg = escaped(msg)
-        return msg
+        # packed: the scheduler keeps a topic's last 1,000 events as they are, and bytes cost it their size; an
+        # item msgpack refuses (it would cost the worker its scheduler) is escaped first (pack_items)
+        return {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq,
+                "items": pack_items(batch)}
 
     def _publish(self, msgs: list[dict], now: bool) -> None:
         if self.via is not None:
