@@ -24,7 +24,7 @@ COMMANDS = ([], ["run"], ["demo"])
 # and is listed when it is there.
 GUIDE = ("guide/launching", "guide/metrics", "guide/s3-data", "guide/checkpoints", "guide/preemption",
          "guide/many-hosts", "guide/kubernetes", "hpc", "guide/cli", "guide/reliability", "guide/from-torchrun",
-         "guide/from-dask-pytorch-ddp")
+         "guide/from-dask-pytorch-ddp")  # from docs/; guide/index.md includes the list
 FIGURES = ("benchmarks/scale.png",)
 
 
@@ -50,9 +50,10 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def guide_toctree(docs: Path) -> str:
-    """The user guide's table of contents (index.md includes it): every page of GUIDE that exists."""
-    pages = [p for p in GUIDE if (docs / f"{p}.md").exists()]
-    return "```{toctree}\n:caption: User guide\n:maxdepth: 1\n\n" + "\n".join(pages) + "\n```\n"
+    """The user guide's table of contents (guide/index.md includes it): every page of GUIDE that exists, as
+    absolute document names."""
+    pages = [f"/{p}" for p in GUIDE if (docs / f"{p}.md").exists()]
+    return "```{toctree}\n:maxdepth: 1\n\n" + "\n".join(pages) + "\n```\n"
 
 
 def settings(path: Path) -> list[tuple[str, object, str]]:
