@@ -11,6 +11,7 @@ so it imports neither torch nor the client's machinery until they are used.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
 from dask_ddp.data.checkpoint import (
@@ -46,6 +47,7 @@ from dask_ddp.wire.errors import (
     WorkerLostError,
 )
 
+# The one place of the version: pyproject.toml reads it (setuptools dynamic), `dask-ddp --version` shows it.
 __version__ = "0.1.0"
 
 # Imported on first use. torchvision (and so torch) takes seconds to import, and the first task of a job
@@ -57,7 +59,15 @@ _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_f
          "Sweep": "client.sweep", "slurm_options": "client.slurm"}
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
+    from dask_ddp import checkpoint, compat, dispatch  # noqa: F401 - public modules, not in __all__
+    from dask_ddp.client.detach import DetachedJobNotFound, attach
+    from dask_ddp.client.job import Job
+    from dask_ddp.data.image_folder import ImageDecodeError, S3ImageFolder
+    from dask_ddp.observe.mlflow_sink import MLflowSink
+
+
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
         value = module if _LAZY[name] is None else getattr(module, name)

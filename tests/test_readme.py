@@ -31,10 +31,10 @@ def test_readme_mentions_only_public_names():
 
     import dask_ddp
 
-    for name in set(re.findall(r"dask_ddp\.([A-Za-z_]+)", README)):
+    for name in set(re.findall(r"dask_ddp\.([A-Za-z_]\w*)", README)):
         if not hasattr(dask_ddp, name):
             importlib.import_module(f"dask_ddp.{name}")  # a subpackage (dask_ddp.compat), or ImportError
-    for name in set(re.findall(r"dask_ddp\.dispatch\.([A-Za-z_]+)", README)):
+    for name in set(re.findall(r"dask_ddp\.dispatch\.([A-Za-z_]\w*)", README)):
         assert hasattr(dask_ddp.dispatch, name), f"README uses dask_ddp.dispatch.{name}, which does not exist"
 
 

@@ -28,6 +28,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import cloudpickle
 import dask
@@ -38,6 +39,9 @@ from dask_ddp.client.job import Job
 from dask_ddp.client.record import ENDED, JobRecord, format_log
 from dask_ddp.wire.errors import DaskDDPError
 from dask_ddp.wire.spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 __all__ = ["launch", "attach", "RemoteControl", "DetachedJobNotFound"]
 
@@ -154,7 +158,7 @@ def launch(client, spec: LaunchSpec) -> Job:
     return Job(client, spec, RemoteControl(client, spec))._start()
 
 
-def attach(client, name: str, *, progress: bool | None = None) -> Job:
+def attach(client: Client, name: str, *, progress: bool | None = None) -> Job:
     """Follow a detached job (``run(..., detach=True)``) by its name or run id, from any client of its cluster.
 
     The handle is a :class:`~dask_ddp.client.job.Job` with the job's own spec: ``checkpoint_dir``,

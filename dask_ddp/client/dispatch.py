@@ -20,7 +20,7 @@ import sys
 import sysconfig
 import uuid
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import cloudpickle
 import dask
@@ -38,6 +38,9 @@ from dask_ddp.wire.errors import PlanError, SerializationError
 from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.worker import plugin
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 __all__ = ["run", "attach", "warm_up", "LaunchSpec"]
 
@@ -100,7 +103,7 @@ def _number(name: str, value, *, minimum: float = 0, allow_none: bool = False):
     return value
 
 
-def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | None = None,
+def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: str | None = None,
         master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
         progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
         max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_options: dict | None = None,
@@ -197,7 +200,7 @@ def run(client, fn: Callable, *args: Any, workers: Any = None, backend: str | No
     return detach_module.launch(client, spec) if detach else Job(client, spec)._start()
 
 
-def warm_up(client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
+def warm_up(client: Client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
     """Start each worker's zygote (torch imported; it forks the ranks) now, so that the first job starts fast.
 
     A worker starts its zygote at its first job anyway and keeps it (``ddp.warm-spare``; with

@@ -45,7 +45,7 @@ def reason(p: Stopped, top_step: int, fallback_step: int | None, grace: float) -
     what = "grew" if p.notice.kind == "grow" else "preempted"
     head = f"{what}: {p.notice.cause or 'a notice'}"
     if p.safe:
-        lost = max(0, top_step - p.step)
+        lost = max(0, top_step - (p.step or 0))  # a safe save has its step
         took = p.commit_time - p.heard
         return (f"{head}; saved step {p.step} (the save took {p.save_took:.2f} s, notice to commit "
                 f"{took:.2f} s); {lost} steps lost")

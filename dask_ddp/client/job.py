@@ -18,7 +18,7 @@ the handle, its spec (the job's :class:`~dask_ddp.wire.spec.LaunchSpec`) and eve
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pandas as pd
 
@@ -31,6 +31,11 @@ from dask_ddp.observe.progress import Progress
 from dask_ddp.observe.sinks import plot_metrics
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.wire.task import topic_of
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from dask_ddp.wire.plan import RankPlan
 
 __all__ = ["Job"]
 
@@ -61,7 +66,7 @@ class Job:
         What the job was launched with (frozen).
     """
 
-    def __init__(self, client, spec: LaunchSpec, control: Control | None = None):
+    def __init__(self, client: Client, spec: LaunchSpec, control: Control | None = None) -> None:
         """The handle of job ``spec`` on ``client``'s cluster, acting through ``control`` (default: a
         :class:`~dask_ddp.client.control.LocalControl`, which drives the job from this process)."""
         self.client, self.spec = client, spec
@@ -101,7 +106,7 @@ class Job:
         return list(self.attempt.futures) if self.attempt else []
 
     @property
-    def plan(self):
+    def plan(self) -> RankPlan | None:
         """The :class:`~dask_ddp.wire.plan.RankPlan` of the current attempt (None before the first)."""
         return self._control.plan
 
@@ -166,7 +171,7 @@ class Job:
                                "call result() again or cancel()")
         if self._record.error is not None:
             raise self._record.error
-        return list(self._record.values)
+        return list(self._record.values or ())
 
     def _in_callback(self, what: str) -> bool:
         """True inside one of the job's callbacks once the job has its outcome (on_failure, on_finish), False
@@ -271,7 +276,7 @@ class Job:
             if finished and not batch:
                 return
 
-    def plot(self, y: str | list[str] | None = None, x: str = "step", ax=None):
+    def plot(self, y: str | list[str] | None = None, x: str = "step", ax: Any = None) -> Any:
         """Plot reported metrics per rank with matplotlib (every numeric key but ``epoch`` by default).
 
         Raises

@@ -56,11 +56,12 @@ class JobRecord:
         self.history: list[tuple[float, str, str, str]] = []  # (time, old, new, cause)
         self.events: deque[dict] = deque(maxlen=max_rows + max_lines)  # metrics and log records, in order
         self.metric_rows: deque[dict] = deque(maxlen=max_rows)
+        self.max_rows = max_rows
         self.log_items: deque[dict] = deque(maxlen=max_lines)
         self.n_events = 0  # events ever added (the first of ``events`` is number n_events - len(events))
         self.n_metrics = 0
         self.top_step = -1  # the highest step any rank reported
-        self.latest = {}  # rank -> its latest report
+        self.latest: dict[int, dict] = {}  # rank -> its latest report
         self.telemetry: dict[int, dict] = {}  # rank -> its latest telemetry item (not kept in ``events``)
         self.stragglers: dict[int, str] = {}  # rank -> the message that named it a straggler (this attempt)
         self.created = time.time()  # when the job was started: job.metrics's "elapsed" counts from here
@@ -96,7 +97,7 @@ class JobRecord:
             self.n_events += len(items)
             self._bound()
             self.cond.notify_all()
-        if not self._warned and self.n_metrics > self.metric_rows.maxlen:
+        if not self._warned and self.n_metrics > self.max_rows:
             self._warned = True
             logger.warning("job %s: more than %d reports; job.metrics keeps the latest %d (ddp.events.max-rows): "
                            "attach a sink (dask_ddp.JSONLinesSink) for the whole history", self.run_id,

@@ -19,7 +19,7 @@ import inspect
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -30,13 +30,16 @@ from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
 from dask_ddp.observe.progress import SweepProgress
 from dask_ddp.wire.errors import PlanError
 
+if TYPE_CHECKING:
+    from distributed import Client
+
 __all__ = ["sweep", "Sweep"]
 
 MODES = ("min", "max")
 SWEEP_ENDED = ("FINISHED", "FAILED", "CANCELLED")
 
 
-def sweep(client, train_fn: Callable, space: dict, *, n_trials: int, metric: str, ranks_per_trial: Any = 1,
+def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, metric: str, ranks_per_trial: Any = 1,
           mode: str = "min", scheduler: Any = "asha", sampler: Any = None, max_concurrent: int | None = None,
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
@@ -225,7 +228,7 @@ class Sweep:
         RUNNING, FINISHED, FAILED or CANCELLED (see :mod:`dask_ddp.client.sweep`); ``cause`` says why it ended.
     """
 
-    def __init__(self, client, spec: SweepSpec, driver: Driver):
+    def __init__(self, client: Client, spec: SweepSpec, driver: Driver) -> None:
         self.client, self.spec, self._driver = client, spec, driver
         self.name, self.study = spec.name, driver.study
 
@@ -311,7 +314,7 @@ class Sweep:
             raise ValueError(f"sweep {self.name}: no trial has completed yet ({ended} ended pruned, failed or "
                              "cancelled): read sweep.results() for why, or wait()")
         pick = min if self.spec.minimize else max
-        top = pick(done, key=lambda r: r.value)
+        top = pick(done, key=lambda r: float("nan") if r.value is None else r.value)  # COMPLETE: never None
         return {"trial": top.number, "value": top.value, "params": dict(top.params), "run_id": top.run_id}
 
     def counts(self) -> dict[str, int]:

@@ -85,7 +85,8 @@ class Driver:
         self.cond = threading.Condition()
         self.inbox: queue.Queue = queue.Queue()
         self.trials: dict[int, TrialRecord] = {}
-        self.state, self.cause, self.error = "RUNNING", "", None
+        self.state, self.cause = "RUNNING", ""
+        self.error: str | None = None
         self._optuna: dict[int, Any] = {}  # trial number -> its optuna Trial (until told)
         self._deciders: dict[int, Decider] = {}
         self._jobs: dict[int, Any] = {}
@@ -113,9 +114,9 @@ class Driver:
                 pass
         except Exception as exc:  # noqa: BLE001 - never leave trials running unseen
             logger.exception("dask-ddp sweep %s: its driver failed", self.spec.name)
-            self.error = f"the sweep's driver failed: {exc!r}; its trials were cancelled"
+            self.error = error = f"the sweep's driver failed: {exc!r}; its trials were cancelled"
             self._abandon()
-            self._finish("FAILED", self.error)
+            self._finish("FAILED", error)
 
     def _abandon(self) -> None:
         """After a bug in the driver: cancel every running trial and wait for its ranks (up to 60 s each), and tell
@@ -240,10 +241,11 @@ class Driver:
             if self._line and self._line[0] != self._head:  # a new head (the last started or failed)
                 self._head, self._passed = self._line[0], 0
             i = pick(sizes, free_n, self._passed, PATIENCE)
-            if i is None:
+            addresses = None if i is None else place(sizes[i], free)
+            if i is None or addresses is None:  # nothing fits (pick() only picks what does)
                 return
             self._passed += i != 0
-            self._launch(self._line.pop(i), place(sizes[i], free))
+            self._launch(self._line.pop(i), addresses)
 
     def _eligible(self) -> list[planning.WorkerInfo]:
         """The running workers the sweep may use (``workers=`` of the sweep, if given)."""

@@ -64,7 +64,7 @@ class S3ImageFolder(_S3ImageFolder):
 
     def __init__(self, s3_bucket: str, s3_prefix: str, transform: Callable | None = None,
                  target_transform: Callable | None = None, anon: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, **kwargs: Any):
+                 storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         options = dict(storage_options or {})
         if anon:
             options["anon"] = True

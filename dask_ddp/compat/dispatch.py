@@ -29,7 +29,7 @@ import weakref
 from typing import Any, Callable
 
 import cloudpickle
-from distributed import Future, Variable, wait
+from distributed import Client, Future, Variable, wait
 from tblib import pickling_support
 
 from dask_ddp.client import dispatch as _dispatch
@@ -53,7 +53,7 @@ class _JobFuture(Future):
         self.job = job
 
 
-def run(client, pytorch_function: Callable, *args: Any, backend: str = "nccl", pass_local_rank: bool = False,
+def run(client: Client, pytorch_function: Callable, *args: Any, backend: str = "nccl", pass_local_rank: bool = False,
         **kwargs: Any) -> list:
     """Run ``pytorch_function(*args, **kwargs)`` on every worker as one DDP job; return the futures.
 

@@ -55,7 +55,7 @@ class DaskResultsHandler:
         rh.process_results("training-results/", futures)
     """
 
-    def __init__(self, pub_sub_key: str | None = None):
+    def __init__(self, pub_sub_key: str | None = None) -> None:
         if pub_sub_key is not None and not isinstance(pub_sub_key, str):
             raise TypeError(f"DaskResultsHandler(pub_sub_key=...) takes a str, got {type(pub_sub_key).__name__}")
         self.pub_sub_key = pub_sub_key if pub_sub_key is not None else uuid.uuid4().hex
@@ -125,7 +125,7 @@ class DaskResultsHandler:
         from dask_ddp.compat.dispatch import job_of
 
         futures = list(futures)
-        jobs = []
+        jobs: list = []
         for fut in futures:
             job = job_of(fut)
             if job is None:

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from dask_ddp.wire.task import topic_of
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from dask_ddp.wire.plan import RankPlan
 
 __all__ = ["JOBS_TOPIC", "JOB_TOPIC_PREFIX", "job_message", "publish"]
 
@@ -32,7 +38,7 @@ def _device(backend: str) -> str | None:
     return "cpu" if backend == "gloo" else None
 
 
-def job_message(run_id: str, name: str, state: str, attempt: int, plan, backend: str = "auto") -> dict:
+def job_message(run_id: str, name: str, state: str, attempt: int, plan: RankPlan | None, backend: str = "auto") -> dict:
     """The ``{"kind": "job", ...}`` message of a job in ``state`` during ``attempt`` (0 first) on ``plan``.
 
     ``plan`` is the attempt's :class:`~dask_ddp.wire.plan.RankPlan` (None: no ranks known yet).
@@ -43,7 +49,7 @@ def job_message(run_id: str, name: str, state: str, attempt: int, plan, backend:
             "time": time.time(), "ranks": ranks}
 
 
-def publish(client, msg: dict) -> None:
+def publish(client: Client, msg: dict) -> None:
     """Log ``msg`` on ``dask-ddp-jobs`` through ``client``, without waiting; never raises.
 
     The message goes from the client's event loop (a blocking ``client.log_event`` from the job's watcher

@@ -150,7 +150,7 @@ class DDPPage:
         if self.selected not in by_run:
             live = [j for j in jobs if not j.ended]
             self.selected = (live or jobs)[0].run if jobs else None
-        return by_run.get(self.selected)
+        return by_run.get(self.selected) if self.selected is not None else None
 
 
 def _detail(job: JobView) -> str:
@@ -164,7 +164,7 @@ def _detail(job: JobView) -> str:
 
 
 def _lines(job: JobView) -> dict[str, list]:
-    out = {"xs": [], "ys": [], "color": [], "label": []}
+    out: dict[str, list] = {"xs": [], "ys": [], "color": [], "label": []}
     for rank in sorted(job.ranks):
         points = list(job.ranks[rank].history)
         if points:

@@ -7,12 +7,16 @@ Runs in: the scheduler's process (:class:`DDPDashboard`); :func:`install` runs i
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_ddp.dashboard import prometheus
 from dask_ddp.dashboard.state import DashboardState
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
 
 __all__ = ["DDPDashboard", "install", "NAME"]
 
@@ -33,7 +37,7 @@ class DDPDashboard(SchedulerPlugin):
     idempotent = True
     name = NAME
 
-    def __init__(self, keep_jobs: int = 20, history: int = 120):
+    def __init__(self, keep_jobs: int = 20, history: int = 120) -> None:
         self.keep_jobs, self.history = keep_jobs, history
         self.state: DashboardState | None = None
         self.page = False
@@ -41,7 +45,7 @@ class DDPDashboard(SchedulerPlugin):
     def __getstate__(self):
         return {"keep_jobs": self.keep_jobs, "history": self.history, "state": None, "page": False}
 
-    async def start(self, scheduler) -> None:
+    async def start(self, scheduler: Scheduler) -> None:
         """Attach the page to the scheduler's dashboard (if it has one) and the gauges to ``/metrics``."""
         self.state = DashboardState(self.keep_jobs, self.history)
         try:
@@ -54,7 +58,7 @@ class DDPDashboard(SchedulerPlugin):
             logger.warning("dask-ddp could not add its page to the Dask dashboard", exc_info=True)
         prometheus.register(self.state)
 
-    def log_event(self, topic: str, msg) -> None:
+    def log_event(self, topic: str, msg: Any) -> None:
         """Every event the scheduler relays; dask-ddp's are kept (the others cost a prefix check)."""
         if self.state is not None:
             self.state.feed(topic, msg)
@@ -64,7 +68,7 @@ class DDPDashboard(SchedulerPlugin):
             prometheus.unregister(self.state)
 
 
-def install(client) -> bool:
+def install(client: Client) -> bool:
     """Install :class:`DDPDashboard` on ``client``'s scheduler (once; later calls cost one round trip).
 
     Never raises: a scheduler that cannot load dask-ddp (not installed where it runs) or refuses the plugin

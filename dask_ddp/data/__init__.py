@@ -13,11 +13,15 @@ seconds to import, and :mod:`.checkpoint` and :mod:`.storage` must not pay for i
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
+    from dask_ddp.data.image_folder import FolderIndex, ImageDecodeError, S3ImageFolder, index_folder, pil_loader
 
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in __all__:
         value = getattr(importlib.import_module(f"{__name__}.image_folder"), name)
         globals()[name] = value

@@ -33,7 +33,8 @@ class BlobCache:
     """
 
     def __init__(self, folder: str | os.PathLike):
-        self.folder, self.error = os.fspath(folder), None
+        self.folder = os.fspath(folder)
+        self.error: OSError | None = None
 
     def path(self, url: str) -> str:
         """Where ``url``'s bytes are cached (no I/O)."""

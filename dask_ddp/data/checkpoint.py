@@ -35,7 +35,7 @@ import random
 import re
 import time
 import uuid
-from typing import NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from dask_ddp.data import storage
 from dask_ddp.wire.errors import DaskDDPError, NotInRankError
@@ -63,7 +63,7 @@ _NAME = re.compile(r"^(?:\.(?=.*\.tmp$))?step-(\d+)(?:\.rank-(\d+)-of-(\d+))?\.(
 class CheckpointError(DaskDDPError, ValueError):
     """A checkpoint cannot be loaded: corrupt, or refused by ``weights_only`` (see ``unsafe_globals``)."""
 
-    def __init__(self, message: str, *, url: str = "", unsafe_globals=(), **kw):
+    def __init__(self, message: str, *, url: str = "", unsafe_globals: Sequence[str] = (), **kw: Any) -> None:
         super().__init__(message, **kw)
         self.url = url
         self.unsafe_globals = list(unsafe_globals)
@@ -76,7 +76,7 @@ class Checkpoint(NamedTuple):
 
 
 class _Where(NamedTuple):
-    fs: object
+    fs: Any  # an fsspec filesystem
     root: str  # path inside fs, no trailing slash
     url: str  # the directory as the user wrote it, userinfo removed, no trailing slash
     rank: int
@@ -153,7 +153,8 @@ def _local_atomic_write(path: str, data: bytes) -> None:
         raise
     with contextlib.suppress(OSError):  # make the rename durable (not possible on every OS)
         fd = os.open(folder, os.O_RDONLY)
-        os.fsync(fd), os.close(fd)
+        os.fsync(fd)
+        os.close(fd)
 
 
 def _names(where: _Where) -> list[str]:
@@ -264,7 +265,7 @@ def _entries(where: _Where, all_ranks: bool) -> list[tuple[int, str]]:
     complete = _complete(_names(where), all_ranks)
     rank = where.rank if all_ranks else None
     return [(step, _name(step, rank, world, "pt")) for step, world in sorted(complete.items())
-            if world is None or rank < world]
+            if world is None or rank is None or rank < world]
 
 
 def list_checkpoints(directory: str | None = None, *, all_ranks: bool = False,
@@ -286,7 +287,7 @@ def latest_checkpoint(directory: str | None = None, *, all_ranks: bool = False,
     return found[-1].url if found else None
 
 
-def load_checkpoint(directory: str | None = None, *, step: int | None = None, map_location="cpu",
+def load_checkpoint(directory: str | None = None, *, step: int | None = None, map_location: Any = "cpu",
                     weights_only: bool = True, all_ranks: bool = False,
                     storage_options: dict | None = None) -> dict | None:
     """Load the newest complete checkpoint (or the one of ``step``); None when there is none.
@@ -326,6 +327,7 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
                                         "exists: delete the marker, or load another step=...") from None
             continue  # pruned by a writer between listing and reading: list again
         return _deserialize(data, where.url_of(name), map_location, weights_only)
+    return None  # not reached: the third miss raises above
 
 
 def _deserialize(data: bytes, url: str, map_location, weights_only: bool) -> dict:

@@ -116,7 +116,7 @@ def _walk_local(root: str) -> dict[str, dict]:
     torchvision's ``os.walk(followlinks=True)`` does (fsspec's find does not descend into them)."""
     if not os.path.isdir(root):
         return {root: {"type": "file", "size": os.path.getsize(root)}} if os.path.exists(root) else {}
-    found = {root: {"type": "directory"}}
+    found: dict[str, dict] = {root: {"type": "directory"}}
     for top, dirs, files in os.walk(root, followlinks=True):
         for d in dirs:
             found[f"{top.rstrip('/')}/{d}"] = {"type": "directory"}

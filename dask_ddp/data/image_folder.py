@@ -175,7 +175,7 @@ class S3ImageFolder(ImageFolder):
         index: FolderIndex | None = None,
         cache: str | os.PathLike | None = None,
         retries: int = 3,
-    ):
+    ) -> None:
         if int(retries) < 0:
             raise ValueError(f"retries must be 0 or more, got {retries}")
         # s3://KEY:SECRET@bucket/x reads with those credentials; the root and samples show s3://bucket/x
@@ -187,9 +187,11 @@ class S3ImageFolder(ImageFolder):
             raise ValueError(f"index was built for {index.root}, not {url}; list it with index_folder({url!r})")
         self.index = index
         self.cache = os.fspath(cache) if cache is not None else None
-        self._cache = BlobCache(self.cache) if cache is not None else None
+        self._cache = BlobCache(self.cache) if self.cache is not None else None
         self.retries = int(retries)
-        self._fs, self._fs_pid, self._base = None, None, url if url.endswith("/") else url + "/"
+        self._fs: Any = None  # this process's filesystem (see fs)
+        self._fs_pid: int | None = None
+        self._base = url if url.endswith("/") else url + "/"
         super().__init__(url, transform, target_transform, _file_loader(loader), is_valid_file, allow_empty)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
@@ -205,7 +207,9 @@ class S3ImageFolder(ImageFolder):
             raise FileNotFoundError(f"Couldn't find any class folder in {self.index.root}.")
         return classes, {c: i for i, c in enumerate(classes)}
 
-    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions: tuple[str, ...] | None = None,
+                     is_valid_file: Callable[[str], bool] | None = None,
+                     allow_empty: bool = False) -> list[tuple[str, int]]:
         """``(url, class_index)`` samples from the index, exactly as torchvision's ``make_dataset`` orders them.
 
         Raises

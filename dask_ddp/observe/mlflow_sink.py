@@ -30,12 +30,15 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import cloudpickle
 
 from dask_ddp.data.storage import masked, redact
 from dask_ddp.observe.sinks import LEAD
+
+if TYPE_CHECKING:
+    from dask_ddp.client.job import Job
 
 __all__ = ["MLflowSink"]
 
@@ -53,7 +56,7 @@ def _mappings(value: Any, found: list, depth: int = 0) -> list:
         return found
     if isinstance(value, Mapping):
         found.append(value)
-        inner = value.values()
+        inner: Any = value.values()
     elif isinstance(value, (list, tuple, set, frozenset)):
         inner = value
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object: its repr shows all
@@ -119,20 +122,20 @@ class MLflowSink:
     """
 
     def __init__(self, tracking_uri: str | None = None, *, experiment: str = "dask-ddp", run_name: str | None = None,
-                 params: dict | None = None, tags: dict | None = None, flush_interval: float = 1.0):
+                 params: dict | None = None, tags: dict | None = None, flush_interval: float = 1.0) -> None:
         if not isinstance(experiment, str) or not experiment:
             raise TypeError(f"MLflowSink(experiment=...) takes a non-empty name, got {experiment!r}")
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.params, self.tags = dict(params or {}), {str(k): str(v) for k, v in (tags or {}).items()}
         self.flush_interval = flush_interval
         self.run_id: str | None = None  # the MLflow run of the current job
-        self._client = None
+        self._client: Any = None  # an MlflowClient from on_start
         self._pending: list = []
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
 
     # ---- callbacks -----------------------------------------------------------------------------------------
-    def on_start(self, job) -> None:
+    def on_start(self, job: Job) -> None:
         """Make the job's MLflow run and log its parameters.
 
         Raises
@@ -168,14 +171,14 @@ class MLflowSink:
             if time.monotonic() - self._last_flush >= self.flush_interval:
                 self._flush()
 
-    def on_restart(self, job, attempt: int) -> None:
+    def on_restart(self, job: Job, attempt: int) -> None:
         """The same MLflow run goes on; the tag ``dask_ddp.attempts`` counts the attempts."""
         with self._lock:
             self._flush()
             if self.run_id is not None:
                 self._client.set_tag(self.run_id, "dask_ddp.attempts", str(attempt + 1))
 
-    def on_finish(self, job) -> None:
+    def on_finish(self, job: Job) -> None:
         """Send what is queued and end the run with the job's outcome; the sink is then ready for another job."""
         with self._lock:
             try:

@@ -26,9 +26,14 @@ import io
 import json
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_ddp.data import storage
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dask_ddp.client.job import Job
 
 __all__ = ["JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics"]
 
@@ -68,7 +73,7 @@ class _FileSink:
     closed, i.e. at ``on_finish``; local files grow as the job runs.
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, *, flush_interval: float = 1.0):
+    def __init__(self, url: str, storage_options: dict | None = None, *, flush_interval: float = 1.0) -> None:
         if not isinstance(url, str) or not url:
             raise TypeError(f"{type(self).__name__}(url=...) takes a path or fsspec URL string, got {url!r}")
         self.url, self.storage_options, self.flush_interval = url, dict(storage_options or {}), flush_interval
@@ -99,7 +104,7 @@ class _FileSink:
         if f is not None:
             self._io(f.close)
 
-    def on_finish(self, job=None) -> None:
+    def on_finish(self, job: Job | None = None) -> None:
         """Write what is buffered and close the file (on object stores: upload it).
 
         Raises
@@ -179,7 +184,7 @@ class CSVSink(_FileSink):
         Seconds between flushes while the job runs (default 1).
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, *, flush_interval: float = 1.0):
+    def __init__(self, url: str, storage_options: dict | None = None, *, flush_interval: float = 1.0) -> None:
         super().__init__(url, storage_options, flush_interval=flush_interval)
         self.columns: list[str] = list(LEAD)
         self._rows: list[dict] = []
@@ -249,9 +254,9 @@ class TensorBoardSink:
         At the first event when ``tensorboard`` is not installed (the job logs it and goes on).
     """
 
-    def __init__(self, logdir: str, *, flush_secs: float = 5):
+    def __init__(self, logdir: str, *, flush_secs: float = 5) -> None:
         self.logdir, self.flush_secs = str(logdir), flush_secs
-        self._writer = None
+        self._writer: Any = None  # a SummaryWriter once the first metrics come
         self._lock = threading.Lock()
 
     def on_metrics(self, event: dict) -> None:
@@ -268,7 +273,7 @@ class TensorBoardSink:
                 if key not in LEAD and key != "kind":
                     self._writer.add_scalar(f"{key}/rank{rank}", float(value), global_step=step, walltime=walltime)
 
-    def on_finish(self, job=None) -> None:
+    def on_finish(self, job: Job | None = None) -> None:
         """Flush and close the event file."""
         with self._lock:
             writer, self._writer = self._writer, None
@@ -279,7 +284,7 @@ class TensorBoardSink:
         return f"TensorBoardSink({self.logdir!r})"
 
 
-def plot_metrics(df, y: str | list[str] | None = None, x: str = "step", ax=None):
+def plot_metrics(df: pd.DataFrame, y: str | list[str] | None = None, x: str = "step", ax: Any = None) -> Any:
     """Plot metrics with matplotlib: one line per rank (and attempt, after restarts) per metric.
 
     Parameters

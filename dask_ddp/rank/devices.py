@@ -209,7 +209,7 @@ def place(store, rank: int, world_size: int, worker: str, requested: str, local_
 
 
 def _describe(placements: Sequence[Placement]) -> str:
-    groups = {}
+    groups: dict = {}
     for r, p in enumerate(placements):
         if p.shared_with:
             groups.setdefault(p.uuid, []).append(r)

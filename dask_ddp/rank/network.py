@@ -45,7 +45,7 @@ def resolve(host: str) -> str:
         The name does not resolve here.
     """
     try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, UnicodeError, IndexError) as exc:
         raise RendezvousError(f"the rendezvous host {host!r} does not resolve on this host ({exc}); pass "
                               "run(master_addr=...) a name or address every rank can reach") from None

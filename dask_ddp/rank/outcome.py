@@ -39,7 +39,7 @@ def outcome(call: Callable[[], Any], rank: int, worker: str, finish: Callable[[]
         try:
             value = call()
         except SystemExit as exc:
-            value = _exit_value(exc, rank, worker)
+            value = _exit_value(exc, rank, worker)  # type: ignore[func-returns-value]  # None, or it raises
         blob = _pickle_value(value, rank, worker)
         finish()
         return Result(blob)

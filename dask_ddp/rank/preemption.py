@@ -50,7 +50,7 @@ class Preempted(BaseException):
     committed), ``time_left`` (seconds left now), ``saved`` (dask-ddp saved the registered state).
     """
 
-    def __init__(self, step: int, cause: str, deadline: float, saved: bool = False):
+    def __init__(self, step: int, cause: str, deadline: float, saved: bool = False) -> None:
         super().__init__(f"preempted at step {step}: {cause}")
         self.step, self.cause, self.deadline, self.saved = step, cause, deadline, saved
 

@@ -135,11 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
-        readable, _, _ = select.select([ctl, wake_r], [], [], 1.0)
+        readable, _, _ = select.select([ctl.fileno(), wake_r], [], [], 1.0)
         if wake_r in readable:
             os.read(wake_r, 512)
         _reap(replies)
-        if ctl not in readable:
+        if ctl.fileno() not in readable:
             continue
         try:
             msg, fds, _, _ = socket.recv_fds(ctl, 16, 3)

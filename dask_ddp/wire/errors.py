@@ -10,6 +10,8 @@ client with its own type, the rank and the worker added as a note
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DaskDDPError",
     "PlanError",
@@ -35,7 +37,7 @@ def _rebuild(cls, args, state):
 class DaskDDPError(Exception):
     """Base class of dask-ddp's errors; ``rank`` and ``worker`` say where, when known."""
 
-    def __init__(self, message: str, *, rank: int | None = None, worker: str | None = None):
+    def __init__(self, message: str, *, rank: int | None = None, worker: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.worker = worker
@@ -63,12 +65,12 @@ class RankExitError(RankFailedError):
     ``sys.exit()`` and ``sys.exit(0)`` are no failure: the rank returns None, as torchrun counts exit code 0.
     """
 
-    def __init__(self, message: str, *, code=None, **kw):
+    def __init__(self, message: str, *, code: object = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.code = code
 
     @staticmethod
-    def describe(code) -> str | None:
+    def describe(code: object) -> str | None:
         """How an error names ``sys.exit(code)``: ``"code 3"``, ``"message 'bye' (exit code 1)"``; None for an
         exit that is a success (``sys.exit()``, ``sys.exit(0)``)."""
         if code is None or code == 0:
@@ -83,7 +85,7 @@ class WorkerLostError(RankFailedError):
 class StallError(DaskDDPError):
     """No rank reported progress within ``stall_timeout``; ``stacks`` maps rank to its Python stack dump."""
 
-    def __init__(self, message: str, *, stacks: dict | None = None, **kw):
+    def __init__(self, message: str, *, stacks: dict | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.stacks = dict(stacks or {})
 
@@ -104,7 +106,7 @@ class ClientClosedError(DaskDDPError, RuntimeError):
     """The Dask client given to ``run`` is closed or not connected, or was closed while its job ran."""
 
     @classmethod
-    def of_job(cls, run_id: str, where: str = "", **kw) -> "ClientClosedError":
+    def of_job(cls, run_id: str, where: str = "", **kw: Any) -> ClientClosedError:
         """The error of job ``run_id`` whose client was closed under it (``where``: which rank saw it)."""
         return cls(f"the Dask client closed while job {run_id} ran: its ranks were stopped{where}. A job lives as "
                    "long as the client that started it; run(..., detach=True) keeps it running without one", **kw)

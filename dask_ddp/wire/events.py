@@ -91,7 +91,8 @@ def unpack(msg) -> list:
 
 def chunked(things: list, size_of, limit: int):
     """``things`` in order, in runs of at most ``limit`` bytes by ``size_of`` (a larger thing goes alone)."""
-    group, size = [], 0
+    group: list = []
+    size = 0
     for thing in things:
         n = size_of(thing)
         if group and size + n > limit:

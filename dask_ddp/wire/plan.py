@@ -184,10 +184,14 @@ def _select(workers: Sequence[WorkerInfo], selection: Any) -> list[WorkerInfo]:
     for w in workers:
         by_key[w.address] = w
         by_key.setdefault(w.name, w)
-    chosen, unknown = [], []
+    chosen: list[WorkerInfo] = []
+    unknown: list = []
     for key in selection:
-        w = by_key.get(str(key))
-        (chosen if w else unknown).append(w or key)
+        found = by_key.get(str(key))
+        if found:
+            chosen.append(found)
+        else:
+            unknown.append(key)
     if unknown:
         known = ", ".join(sorted(w.address for w in workers)) or "none"
         raise PlanError(f"workers= names {len(unknown)} unknown worker(s): {unknown!r}; the cluster has: {known}")

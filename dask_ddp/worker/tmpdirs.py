@@ -74,7 +74,7 @@ def _not_private(path: str, fix_mode: bool = False) -> str | None:
         if os.path.islink(path):
             return "is a symbolic link"
         return {errno.ENOTDIR: "is not a folder", errno.ENOENT: "does not exist"}.get(
-            exc.errno, f"cannot be opened ({exc.strerror})")
+            exc.errno or 0, f"cannot be opened ({exc.strerror})")
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
@@ -97,7 +97,7 @@ def sweep_tmp_roots() -> list[str]:
     """
     import psutil
 
-    removed = []
+    removed: list[str] = []
     base = tempfile.gettempdir()
     try:
         names = os.listdir(base)
