@@ -3,8 +3,9 @@
 ``dask-ddp run`` runs torchrun-style scripts on a Dask cluster
 (:mod:`.run`, with the script runner in :mod:`.script` and the modules that
 ship beside the script in :mod:`.siblings`); ``dask-ddp demo`` trains a CNN
-on digits read from S3 (:mod:`.demo`); :mod:`.common` holds what both share.
-Imports go one way: this module -> run, demo -> common, script -> siblings.
+on digits read from S3 (:mod:`.demo`); ``dask-ddp export`` writes a sharded
+checkpoint as one file (:mod:`.export`); :mod:`.common` holds what they share.
+Imports go one way: this module -> run, demo, export -> common, script -> siblings.
 
 Exit codes: 0 success; 1 the job failed (the root cause and its traceback on
 stderr) or the scheduler could not be reached; 2 usage errors (bad options,
@@ -22,7 +23,7 @@ import sys
 from typing import Sequence
 
 from dask_ddp import __version__
-from dask_ddp.cli import demo, run
+from dask_ddp.cli import demo, export, run
 from dask_ddp.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -38,6 +39,7 @@ PyTorch DistributedDataParallel on any Dask cluster.
 
   dask-ddp run    run an unchanged torchrun-style script, one rank per Dask worker
   dask-ddp demo   train a small CNN with DDP on scikit-learn's digits read from S3 (all local)
+  dask-ddp export write a sharded checkpoint (save_sharded) as one torch.save or safetensors file
 """
 
 _EPILOG = """\
@@ -58,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dask-ddp", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dask-ddp {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{run,demo}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{run,demo,export}", required=True)
     run.add_parser(commands)
     demo.add_parser(commands)
+    export.add_parser(commands)
     return parser
 
 
