@@ -2,9 +2,9 @@
 
 Runs in: any one process (a notebook, a shell, a serving box): no process group, no GPU.
 
-The whole state is read with torch DCP's format utilities (its
-``_load_state_dict_from_keys``: an empty-state planner that rebuilds the nested
-dict from the checkpoint's own metadata) over our reader, so every shard's
+The whole state is read with torch DCP's format utilities (the
+empty-state load planner of ``dcp_to_torch_save``, which rebuilds the nested
+dict from the checkpoint's own metadata, with ``no_dist``) over our reader, so every shard's
 CRC-32 is checked, and written once. ``torch`` keeps the nested dict as saved
 (``{"model": {...}, "optim": {...}, "epoch": 3}``); ``safetensors`` takes the
 tensors under flattened names (``model.0.weight``, ``optim.state.0.weight.exp_avg``)
@@ -33,7 +33,8 @@ def read_sharded(directory: str, *, step: int | None = None, storage_options: di
     CheckpointError, ShardError, PermissionError
         As :func:`dask_ddp.load_sharded`.
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     where = _ckpt._where(directory, storage_options)
     found = sharded_folder.committed(where)
@@ -45,11 +46,8 @@ def read_sharded(directory: str, *, step: int | None = None, storage_options: di
         metadata = sharded_folder.read_metadata(where, chosen)
         reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{chosen.folder}", chosen.url,
                                         metadata, options=where.options)
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            state = _load_state_dict_from_keys(storage_reader=reader)
+        state: dict = {}  # no_dist: this process alone, even inside a process group
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return chosen.step, state
 
 
