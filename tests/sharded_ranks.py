@@ -35,10 +35,11 @@ def _child(rank: int, world: int, port: int, out: str, fn, args) -> None:
         os._exit(code)
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 120, lost_ok: bool = False) -> list:
     """``fn(rank, world, *args)`` on ``world`` forked processes in one gloo group; their return values by rank.
 
-    Raises AssertionError with every failing rank's traceback; kills what is left after ``timeout``.
+    Raises AssertionError with every failing rank's traceback; kills what is left after ``timeout``. With
+    ``lost_ok``, a rank that died without a result (``kill -9``) gives None instead.
     """
     import torch.distributed as dist
 
@@ -60,7 +61,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 120) -> list:
         results = []
         for r, path in enumerate(outs):
             if not os.path.exists(path):
-                results.append(("error", f"rank {r} left no result (exit code {procs[r].exitcode})"))
+                lost = f"rank {r} left no result (exit code {procs[r].exitcode})"
+                results.append(("ok", None) if lost_ok else ("error", lost))
                 continue
             with open(path, "rb") as f:
                 results.append(pickle.load(f))

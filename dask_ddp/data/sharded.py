@@ -99,13 +99,23 @@ def _write(where, flat: dict, step: int, keep: int | None, group) -> dcp_storage
         where.fs, f"{where.root}/{sharded_folder.SUBFOLDER}", sharded_folder.base(where)[1], step, where.rank,
         commit=lambda folder, md, files: sharded_folder.commit(where, step, folder, md, files, world),
         check_step=lambda: _check_new(where, step), timeout=sharded_async.upload_timeout(),
-        options=where.options)
+        options=where.options, **_io_settings())
     with _quiet():
         sharded_state.run_dcp(lambda: dcp.save(flat, storage_writer=writer, process_group=group, no_dist=world == 1),
                               "saving", step)
     if keep is not None and where.rank == 0:
         sharded_folder.prune(where, keep, step)
     return writer
+
+
+def _io_settings() -> dict:
+    """``ddp.checkpoint.{threads,part-size,max-file-bytes}`` as ShardWriter arguments."""
+    import dask.config
+
+    get = dask.config.get
+    return {"threads": int(get("ddp.checkpoint.threads", 4)), "block_size": int(get("ddp.checkpoint.part-size",
+                                                                                    32 << 20)),
+            "max_file_bytes": int(get("ddp.checkpoint.max-file-bytes", 256 << 20))}
 
 
 def _world(group) -> int:
@@ -157,7 +167,8 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
         flat = sharded_state.to_load(state)
         sharded_state.check_against(flat, metadata, found.url)
         reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{found.folder}", found.url,
-                                         metadata, rank=where.rank, options=where.options)
+                                         metadata, rank=where.rank, options=where.options,
+                                         threads=_io_settings()["threads"])
         sharded_state.run_dcp(lambda: _dcp_load(flat, reader, group), "loading", found.step)
     sharded_state.apply(state, flat)
     return found.step
