@@ -24,14 +24,15 @@ import collections
 import threading
 import time
 
-__all__ = ["stage", "submit", "wait_previous", "raise_failed", "control_group", "upload_timeout", "record", "SAVES"]
+__all__ = ["stage", "submit", "wait_previous", "raise_failed", "control_group", "upload_timeout", "record", "SAVES",
+           "FAILED"]
 
 SAVES: collections.deque = collections.deque(maxlen=100)  # the latest saves' figures, for telemetry
+FAILED: list = [None]  # the failure of the latest background save, until raised (report() checks it: one load)
 
 
 class _State:
     thread: threading.Thread | None = None
-    error: BaseException | None = None
     buffers: dict | None = None
     layout: object = None
     group: tuple | None = None  # (the default group it was made for, the gloo group)
@@ -92,7 +93,7 @@ def submit(fn, *, step: int, stall: float, waited: float) -> None:
             writer = fn()
             record(step, writer, stall=stall, waited=waited, background=True)
         except BaseException as exc:  # noqa: BLE001 - kept and raised on the training thread
-            _S.error = exc
+            FAILED[0] = exc
 
     _S.thread = threading.Thread(target=run, name=f"dask-ddp-save-{step}", daemon=True)
     _S.thread.start()
@@ -111,9 +112,9 @@ def wait_previous() -> float:
 
 def raise_failed() -> None:
     """Raise the failure of a finished background save, once (nothing if none); never waits."""
-    error = _S.error
+    error = FAILED[0]
     if error is not None and (_S.thread is None or not _S.thread.is_alive()):
-        _S.error = None
+        FAILED[0] = None
         raise error
 
 
