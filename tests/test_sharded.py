@@ -88,6 +88,35 @@ def test_round_trip_in_one_process(tmp_path, where, request):
     assert (state["epoch"], state["tag"], other_sched.last_epoch) == (3, "a", 1)
 
 
+class Wrapped:
+    """A Stateful holding a model and its optimizer (as a user might for a second model)."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optim"])
+
+
+def test_a_stateful_gets_what_was_saved_even_where_the_fresh_object_has_no_such_keys(tmp_path):
+    """A fresh optimizer has no momentum buffers yet: they load all the same (DCP alone would skip them)."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    dask_ddp.save_sharded({"second": Wrapped(model, opt), "step": 4}, 4, directory=str(tmp_path))
+    fresh = build(3)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    state = {"second": Wrapped(fresh, fresh_opt), "step": -1}
+    assert dask_ddp.load_sharded(state, directory=str(tmp_path)) == 4 and state["step"] == 4
+    assert_same(opt.state_dict(), fresh_opt.state_dict())
+    assert_same(model.state_dict(), fresh.state_dict())
+
+
 def test_bad_input_names_what_to_do(tmp_path, s3):
     model = build()
     opt = trained(model)

@@ -164,13 +164,18 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
         return None
     with sharded_folder.lease(where, found) if where.rank == 0 else contextlib.nullcontext():
         metadata = sharded_state.on_rank_zero(lambda: sharded_folder.read_metadata(where, found), group)
-        flat = sharded_state.to_load(state)
-        sharded_state.check_against(flat, metadata, found.url)
+        flat, extras = sharded_state.to_load(state)
+        sharded_state.check_against(flat, extras, metadata, found.url)
         reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{found.folder}", found.url,
-                                         metadata, rank=where.rank, options=where.options,
-                                         threads=_io_settings()["threads"])
-        sharded_state.run_dcp(lambda: _dcp_load(flat, reader, group), "loading", found.step)
-    sharded_state.apply(state, flat)
+                                        metadata, rank=where.rank, options=where.options,
+                                        threads=_io_settings()["threads"])
+        no_dist = _world(group) == 1
+        with _quiet():
+            if flat:
+                sharded_state.run_dcp(lambda: _dcp_load(flat, reader, group), "loading", found.step)
+            loaded = sharded_state.run_dcp(lambda: sharded_state.load_extras(extras, reader, group, no_dist),
+                                           "loading", found.step)
+    sharded_state.apply(state, flat, loaded)
     return found.step
 
 
@@ -185,8 +190,7 @@ def _quiet():
 def _dcp_load(flat: dict, reader, group) -> None:
     import torch.distributed.checkpoint as dcp
 
-    with _quiet():
-        dcp.load(flat, storage_reader=reader, process_group=group, no_dist=_world(group) == 1)
+    dcp.load(flat, storage_reader=reader, process_group=group, no_dist=_world(group) == 1)
 
 
 def _pick(where, step: int | None):

@@ -17,7 +17,7 @@ import io
 import json
 
 from dask_ddp.data import checkpoint as _ckpt
-from dask_ddp.data import dcp_reader, sharded_folder
+from dask_ddp.data import dcp_reader, sharded_folder, sharded_state
 
 __all__ = ["export_sharded", "read_sharded"]
 
@@ -48,7 +48,7 @@ def read_sharded(directory: str, *, step: int | None = None, storage_options: di
                                         metadata, options=where.options)
         state: dict = {}  # no_dist: this process alone, even inside a process group
         _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return chosen.step, state
+    return chosen.step, sharded_state.decode_keys(state)
 
 
 def export_sharded(directory: str, out: str, *, step: int | None = None, format: str = "torch",

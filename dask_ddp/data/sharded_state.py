@@ -17,7 +17,8 @@ import hashlib
 
 from dask_ddp.data.checkpoint import CheckpointError
 
-__all__ = ["to_save", "to_load", "apply", "check_agreement", "check_against", "run_dcp", "on_rank_zero"]
+__all__ = ["to_save", "to_load", "load_extras", "apply", "encode_keys", "decode_keys", "check_agreement",
+           "check_against", "run_dcp", "on_rank_zero"]
 
 
 def _roles(state: dict) -> tuple[str | None, str | None]:
@@ -49,19 +50,63 @@ def to_save(state: dict) -> dict:
         elif isinstance(value, torch.nn.Module):
             out[key] = get_model_state_dict(value)
         elif _stateful(value):
-            out[key] = value.state_dict()
+            out[key] = encode_keys(value.state_dict())
         else:
-            out[key] = value
+            out[key] = encode_keys(value)
     return out
 
 
-def to_load(state: dict) -> dict:
-    """The DCP state dict to load ``state`` into (the same as :func:`to_save`'s)."""
-    return to_save(state)
+_INT = "__int__"  # DCP flattens dict keys into paths where an int means a list index: int keys travel as text
 
 
-def apply(state: dict, flat: dict) -> None:
-    """Put what DCP loaded into ``flat`` back into ``state``'s models, optimizer, Statefuls and values."""
+def encode_keys(obj):
+    """``obj`` with every int dict key ``k`` as ``"__int__k"`` (an optimizer's ``state`` is keyed by ints)."""
+    if isinstance(obj, dict):
+        return {(f"{_INT}{k}" if isinstance(k, int) and not isinstance(k, bool) else k): encode_keys(v)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(encode_keys(v) for v in obj)
+    return obj
+
+
+def decode_keys(obj):
+    """The inverse of :func:`encode_keys`."""
+    if isinstance(obj, dict):
+        return {(int(k[len(_INT):]) if isinstance(k, str) and k.startswith(_INT) else k): decode_keys(v)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(decode_keys(v) for v in obj)
+    return obj
+
+
+def to_load(state: dict) -> tuple[dict, list[str]]:
+    """``(the DCP state dict of the models and the optimizer, the other keys)``.
+
+    Models and optimizer load in place, resharded onto this job's DTensors; the other entries (Statefuls,
+    plain values) are read whole from the checkpoint's own metadata (see :func:`load_extras`), so that a
+    fresh object (an optimizer without state yet) gets everything that was saved, not only the keys it has.
+    """
+    import torch
+
+    model_key, optim_key = _roles(state)
+    main = {k: v for k, v in state.items() if k == optim_key or isinstance(v, torch.nn.Module)}
+    return to_save(main), [k for k in state if k not in main]
+
+
+def load_extras(keys: list[str], reader, group, no_dist: bool) -> dict:
+    """Read the entries ``keys`` of a checkpoint whole (every rank the same), as saved."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    out: dict = {}  # filled by the planner from the metadata (dcp.load would fill a copy of it)
+    if keys:
+        _load_state_dict(out, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=set(keys)),
+                         process_group=group, no_dist=no_dist)
+    return out
+
+
+def apply(state: dict, flat: dict, extras: dict) -> None:
+    """Put what DCP loaded back into ``state``: models and optimizer from ``flat``, the rest from ``extras``."""
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -74,9 +119,9 @@ def apply(state: dict, flat: dict) -> None:
         elif isinstance(value, torch.nn.Module):
             set_model_state_dict(value, flat[key])
         elif _stateful(value):
-            value.load_state_dict(flat[key])
+            value.load_state_dict(decode_keys(extras[key]))
         else:
-            state[key] = flat[key]
+            state[key] = decode_keys(extras[key])
 
 
 def _stateful(value) -> bool:
@@ -133,13 +178,15 @@ def _show(entry) -> str:
     return "missing" if entry is None else f"{entry[0]} of shape {list(entry[1])}, {entry[2]}"
 
 
-def check_against(flat: dict, metadata, url: str) -> None:
-    """Raise CheckpointError naming missing and unexpected keys and differing shapes between ``flat`` and the
-    checkpoint's metadata (unexpected: keys under a model of ``flat`` that the model does not have)."""
+def check_against(flat: dict, extras: list[str], metadata, url: str) -> None:
+    """Raise CheckpointError naming missing and unexpected keys and differing shapes between ``flat`` (and the
+    top-level ``extras``) and the checkpoint's metadata (unexpected: keys under a model of ``flat`` that the
+    model does not have)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     mine, saved = _summary(flat), metadata.state_dict_metadata
-    missing = sorted(k for k in mine if k not in saved)
+    tops = {str((metadata.planner_data or {}).get(k, (k,))[0]) for k in saved}
+    missing = sorted([k for k in mine if k not in saved] + [k for k in extras if k not in tops])
     prefixes = tuple(f"{k}." for k, v in flat.items() if isinstance(v, dict))
     unexpected = sorted(k for k in saved if k not in mine and k.startswith(prefixes) and ".state." not in k)
     shapes = sorted(f"{k}: checkpoint {list(saved[k].size)}, here {list(v[1])}" for k, v in mine.items()
