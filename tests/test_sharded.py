@@ -259,3 +259,40 @@ def test_fsdp2_trains_to_the_parameters_of_one_process(world, hsdp):
         opt.step()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"{key} after 4 steps")
+
+
+def _sharded_on_rank_zero_only(rank, world, directory):
+    mesh = dask_ddp.device_mesh()
+    model = build()
+    if rank == 0:
+        dask_ddp.shard_model(model, mesh=mesh)
+    try:
+        dask_ddp.save_sharded({"model": model}, 1, directory=directory)
+    except ValueError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_state_sharded_on_some_ranks_only_is_refused_on_every_rank_naming_the_key(tmp_path):
+    texts = run_ranks(2, _sharded_on_rank_zero_only, str(tmp_path))
+    assert texts[0] == texts[1], texts
+    assert "the ranks disagree on 'model.0.bias'" in texts[0] and "rank 0: sharded (DTensor) of shape [6]" in \
+        texts[0] and "rank 1: plain tensor of shape [6]" in texts[0], texts[0]
+    assert list_sharded(str(tmp_path)) == []
+
+
+def test_the_export_verb_writes_one_file_and_names_what_is_wrong(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from dask_ddp.cli import main
+
+    model = build()
+    dask_ddp.save_sharded({"model": model, "epoch": 2}, 3, directory=str(tmp_path / "ckpt"))
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors")]) == 0
+    assert "step 3 of" in capsys.readouterr().out
+    flat = load_file(str(tmp_path / "m.safetensors"))
+    assert_same({f"model.{k}": v for k, v in model.state_dict().items()}, flat)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"), "--step", "3"]) == 0
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["epoch"] == 2
+    assert main(["export", str(tmp_path / "empty"), str(tmp_path / "x.pt")]) == 1
+    assert "FileNotFoundError: no committed sharded step" in capsys.readouterr().err
