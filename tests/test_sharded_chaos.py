@@ -116,8 +116,7 @@ def test_saves_cut_at_random_points_never_leave_a_torn_step(tmp_path, where, run
 
 def _big_model():
     torch.manual_seed(0)
-    return dask_ddp.shard_model(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024),
-                                                    torch.nn.Linear(1024, 1024)))
+    return dask_ddp.shard_model(torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048)))
 
 
 def _save_then_die(rank, world, directory, options, point, victim):
@@ -140,8 +139,7 @@ def _save_then_die(rank, world, directory, options, point, victim):
 
 
 def _load_first(rank, world, directory, options):
-    fresh = dask_ddp.shard_model(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024),
-                                                     torch.nn.Linear(1024, 1024)))
+    fresh = dask_ddp.shard_model(torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048)))
     step = dask_ddp.load_sharded({"model": fresh}, directory=directory, storage_options=options)
     reference = _big_model()
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(fresh.parameters(), reference.parameters()))
@@ -150,12 +148,13 @@ def _load_first(rank, world, directory, options):
 
 @pytest.mark.parametrize("point,victim", [("item-written", 1), ("file-close", 0), ("marker", 0)])
 def test_a_rank_killed_mid_save_leaves_the_previous_step(s3, point, victim):
-    """SIGKILL of a rank while its multipart upload is under way (5 MiB parts of a 6 MiB shard), before it closes,
-    and of the coordinator before the marker: the survivor's save fails, step 1 stays the latest, bitwise."""
+    """SIGKILL of a rank while its multipart upload is under way (an 8 MiB item over max-file-bytes streamed in
+    5 MiB parts: one part sent), before it closes, and of the coordinator before the marker: the survivor's save
+    fails, step 1 stays the latest, bitwise."""
     import dask.config
 
     directory, options = f"s3://{s3['bucket']}/kill", s3["storage_options"]
-    with dask.config.set({"ddp.checkpoint.part-size": 5 << 20}):  # the forked ranks inherit it
+    with dask.config.set({"ddp.checkpoint.part-size": 5 << 20, "ddp.checkpoint.max-file-bytes": 1 << 20}):
         results = run_ranks(2, _save_then_die, directory, options, point, victim, lost_ok=True)
     assert results[victim] is None, f"rank {victim} was not killed: {results}"
     assert results[1 - victim] != "saved", results

@@ -75,10 +75,11 @@ class ShardReader:
         path = f"{self.path}/{name}"
         try:
             if needed >= self.whole_file_share * size:
-                whole = with_retries(lambda: self.fs.cat_file(path))
+                whole = bytearray(with_retries(lambda: self.fs.cat_file(path)))  # writable: tensors view it
                 chunk = {span: memoryview(whole)[span[0]:span[0] + span[1]] for span in spans}
             else:
-                chunk = {span: with_retries(lambda s=span: self.fs.cat_file(path, start=s[0], end=s[0] + s[1]))
+                chunk = {span: bytearray(with_retries(lambda s=span: self.fs.cat_file(path, start=s[0],
+                                                                                      end=s[0] + s[1])))
                          for span in spans}
         except FileNotFoundError:
             raise ShardError(f"rank {self.rank}: {self.url}/{name} is missing although its step is committed: it "
@@ -99,20 +100,19 @@ class ShardReader:
             raise ShardError(f"rank {self.rank}: {self.url}/{item.file} bytes {item.offset}-"
                              f"{item.offset + item.length} ({req.storage_index.fqn}) fail their CRC-32 check: the "
                              "object was changed or is corrupt; load another step=...")
-        with lock:  # the planner's bookkeeping is not thread-safe
-            if req.type == LoadItemType.BYTE_IO:
+        if req.type == LoadItemType.BYTE_IO:
+            with lock:  # the planner's bookkeeping is not thread-safe
                 planner.load_bytes(req, io.BytesIO(bytes(data)))
-                return
-            dtype = getattr(torch, item.dtype)
-            if item.length:
-                tensor = torch.frombuffer(bytearray(data), dtype=dtype).reshape(item.shape)
-            else:
-                tensor = torch.empty(item.shape, dtype=dtype)
-            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            return
+        dtype = getattr(torch, item.dtype)
+        tensor = torch.frombuffer(data, dtype=dtype) if item.length else torch.empty(0, dtype=dtype)
+        tensor = narrow_tensor_by_index(tensor.reshape(item.shape), req.storage_offsets, req.lengths)
+        with lock:
             target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise ShardError(f"rank {self.rank}: {req.storage_index.fqn} has shape {tuple(tensor.size())} in "
-                                 f"{self.url} but {tuple(target.size())} here: the checkpoint was made with "
-                                 "another model")
-            target.copy_(tensor)
+        if target.size() != tensor.size():
+            raise ShardError(f"rank {self.rank}: {req.storage_index.fqn} has shape {tuple(tensor.size())} in "
+                             f"{self.url} but {tuple(target.size())} here: the checkpoint was made with "
+                             "another model")
+        target.copy_(tensor)  # each request lands in a target of its own: no lock needed for the copy
+        with lock:
             planner.commit_tensor(req, target)

@@ -6,11 +6,12 @@ Why not torch's ``FsspecWriter``: it assumes that creating a file is atomic
 (on S3 it is not), it returns before knowing that the bytes arrived (the
 silent loss of pytorch #183878), and it writes no commit marker. This writer:
 
-- writes each rank's items as raw tensor bytes into a few files of at most
-  ``max_file_bytes`` each (uploaded in parallel threads, each buffered by
-  fsspec's block size: a save needs about ``threads x block size`` of memory
-  beyond the tensors themselves), named with a 4-hex-digit hash first so that
-  many ranks spread over S3's key partitions;
+- writes each rank's items as raw tensor bytes into files of at most
+  ``max_file_bytes`` each, uploaded by parallel threads, each file in one PUT
+  from memory (a save needs about ``threads x max_file_bytes`` of memory beyond
+  the tensors themselves; an item bigger than that gets a file of its own,
+  streamed as a multipart upload in parts of ``block_size``), named with a
+  4-hex-digit hash first so that many ranks spread over S3's key partitions;
 - records each item's offset, length, dtype, shape and CRC-32, and each
   file's size and CRC-32;
 - closes (local disk: fsyncs) every file and checks its size on the store
@@ -32,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import hashlib
+import io
 import os
 import random
 import threading
@@ -114,9 +116,12 @@ def _tensor_bytes(tensor) -> tuple[memoryview, str, tuple]:
 class _Upload:
     """Write one shard file from a list of items; return their ``Item`` records and the file's size and CRC."""
 
-    def __init__(self, writer: "ShardWriter", folder: str, name: str, items: list, planner):
+    def __init__(self, writer: "ShardWriter", folder: str, name: str, items: list, planner, size: int):
         self.w, self.folder, self.name, self.items, self.planner = writer, folder, name, items, planner
         self.path = f"{writer.root}/{folder}/{name}"
+        # an object store takes a file of at most max_file_bytes in one PUT from memory (no multipart upload to
+        # assemble); a bigger one (a single item over the bound) is streamed in parts of block_size
+        self.buffered = not is_local(writer.fs) and size <= writer.max_file_bytes
 
     def run(self) -> tuple[list, int, int]:
         return with_retries(self._once)
@@ -125,6 +130,8 @@ class _Upload:
         if is_local(self.w.fs):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             return open(self.path, "wb")
+        if self.buffered:
+            return _Buffered(self.w.fs, self.path)
         return self.w.fs.open(self.path, "wb", block_size=self.w.block_size)
 
     def _once(self) -> tuple[list, int, int]:
@@ -158,6 +165,22 @@ class _Upload:
         return records, offset, crc
 
 
+class _Buffered(io.BytesIO):
+    """A file in memory that becomes one object, in one PUT, when closed; ``discard`` drops it."""
+
+    def __init__(self, fs, path: str):
+        super().__init__()
+        self.fs, self.path = fs, path
+
+    def close(self) -> None:
+        if not self.closed:
+            self.fs.pipe_file(self.path, self.getvalue())  # bytes: botocore takes no memoryview
+        super().close()
+
+    def discard(self) -> None:
+        super().close()
+
+
 def _abandon(f) -> None:
     discard = getattr(f, "discard", None)  # fsspec's buffered files: drop the buffer, abort a multipart upload
     try:
@@ -178,7 +201,7 @@ class ShardWriter:
     """
 
     def __init__(self, fs, root: str, url: str, step: int, rank: int, *, commit: Callable, check_step: Callable,
-                 timeout: float | None = None, threads: int = 4, max_file_bytes: int = 256 << 20,
+                 timeout: float | None = None, threads: int = 4, max_file_bytes: int = 64 << 20,
                  block_size: int = 32 << 20, options: dict | None = None):
         self.fs, self.root, self.url, self.step, self.rank = fs, root, url, step, rank
         self.commit_fn, self.check_step = commit, check_step
@@ -208,8 +231,8 @@ class ShardWriter:
 
         self.folder, self.rank = folder, rank = plan.storage_data["folder"], plan.storage_data["rank"]
         started = time.perf_counter()
-        uploads = [_Upload(self, folder, file_name(self.step, rank, i), group, planner)
-                   for i, group in enumerate(self._groups(plan.items))]
+        uploads = [_Upload(self, folder, file_name(self.step, rank, i), group, planner, size)
+                   for i, (group, size) in enumerate(self._groups(plan.items))]
         results = []
         for records, size, crc in self._run_all(uploads):
             self.stats["bytes"] += size
@@ -244,8 +267,9 @@ class ShardWriter:
         return None
 
     # --- helpers ---
-    def _groups(self, items: list) -> list[list]:
-        """Items in files of at most max_file_bytes (one file at least), big items first, spread evenly."""
+    def _groups(self, items: list) -> list[tuple[list, int]]:
+        """(items, bytes) of each file: files of at most max_file_bytes (bigger only for one item over it), at least
+        one; the biggest items first, each into the file with the fewest bytes so far."""
         def size(item):
             td = item.tensor_data
             if td is None:
@@ -255,14 +279,19 @@ class ShardWriter:
                 n *= s
             return n * _itemsize(td.properties.dtype)
 
-        total = sum(map(size, items))
-        count = max(1, min(len(items), -(-total // self.max_file_bytes)))
-        groups, loads = [[] for _ in range(count)], [0] * count
+        groups: list[list] = []
+        loads: list[int] = []
         for item in sorted(items, key=size, reverse=True):
-            i = loads.index(min(loads))
+            fits = [i for i, load in enumerate(loads) if load + size(item) <= self.max_file_bytes]
+            if fits:
+                i = min(fits, key=loads.__getitem__)
+            else:
+                groups.append([])
+                loads.append(0)
+                i = len(groups) - 1
             groups[i].append(item)
             loads[i] += size(item)
-        return [g for g in groups if g] or [[]]
+        return list(zip(groups, loads)) or [([], 0)]
 
     def _run_all(self, uploads: list) -> list:
         if len(uploads) == 1 and self.timeout is None:

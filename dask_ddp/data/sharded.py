@@ -115,7 +115,7 @@ def _io_settings() -> dict:
     get = dask.config.get
     return {"threads": int(get("ddp.checkpoint.threads", 4)), "block_size": int(get("ddp.checkpoint.part-size",
                                                                                     32 << 20)),
-            "max_file_bytes": int(get("ddp.checkpoint.max-file-bytes", 256 << 20))}
+            "max_file_bytes": int(get("ddp.checkpoint.max-file-bytes", 64 << 20))}
 
 
 def _world(group) -> int:
