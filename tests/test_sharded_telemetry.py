@@ -22,7 +22,7 @@ def test_a_saves_figures_reach_the_notebook_the_page_and_prometheus(tmp_path):
     from prometheus_client.core import GaugeMetricFamily  # noqa: F401 - installed with the dashboard's extras
 
     sharded_async.SAVES.clear()
-    assert telemetry.checkpoint_fields()["ckpt_step"] is None
+    assert telemetry.checkpoint_fields() == {}  # no save yet: the telemetry item keeps its usual fields
     dask_ddp.save_sharded({"model": torch.nn.Linear(256, 256)}, 12, directory=str(tmp_path))
     fields = telemetry.checkpoint_fields()
     assert fields["ckpt_step"] == 12 and fields["ckpt_bytes"] == (256 * 256 + 256) * 4

@@ -24,7 +24,7 @@ Where the numbers come from, with no user code:
   initialised here: a rank that did not touch its GPU reports None.
 - **Checkpoints**: the latest ``save_sharded`` of the rank: its step, the
   training stall, the wait for the previous async save, the upload's seconds,
-  bytes and MB/s (:func:`checkpoint_fields`; None before the first).
+  bytes and MB/s (:func:`checkpoint_fields`; absent before the first).
 
 ``ddp.telemetry.enabled: false`` turns all of it off (no patching, no items).
 """
@@ -280,10 +280,13 @@ CHECKPOINT_FIELDS = ("ckpt_step", "ckpt_stall_s", "ckpt_waited_s", "ckpt_upload_
 
 def checkpoint_fields() -> dict:
     """The rank's latest sharded save (``save_sharded``): step, training stall, wait for the previous async
-    save, upload seconds, bytes this rank wrote and its MB/s (1e6 bytes); all None before the first save."""
+    save, upload seconds, bytes this rank wrote and its MB/s (1e6 bytes); ``{}`` before the first save (the
+    item then has the fields it always had)."""
     from dask_ddp.data.sharded_async import SAVES
 
-    last = SAVES[-1] if SAVES else {}
+    if not SAVES:
+        return {}
+    last = SAVES[-1]
     return {"ckpt_step": last.get("step"), "ckpt_stall_s": last.get("stall_s"), "ckpt_waited_s": last.get("waited_s"),
             "ckpt_upload_s": last.get("upload_s"), "ckpt_bytes": last.get("bytes"), "ckpt_mb_s": last.get("mb_s")}
 
