@@ -22,6 +22,8 @@ from dask_ddp.data.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from dask_ddp.data.dcp_storage import ShardError
+from dask_ddp.data.sharded import load_sharded, save_sharded, wait_sharded
 from dask_ddp.observe.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
 from dask_ddp.rank.context import (
     Context,
@@ -30,6 +32,7 @@ from dask_ddp.rank.context import (
     rank_zero_first,
     seed_everything,
 )
+from dask_ddp.rank.fsdp import device_mesh, shard_model
 from dask_ddp.rank.preemption import Preempted, on_preemption, preempted
 from dask_ddp.rank.reporting import report
 from dask_ddp.rank.telemetry import timed
@@ -84,5 +87,6 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink",
-    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "slurm_options",
+    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "slurm_options", "save_sharded", "load_sharded",
+    "wait_sharded", "ShardError", "device_mesh", "shard_model",
 ]

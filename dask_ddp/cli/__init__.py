@@ -5,8 +5,9 @@
 ship beside the script in :mod:`.siblings`); ``dask-ddp demo`` trains a CNN
 on digits read from S3 (:mod:`.demo`); ``dask-ddp slurm``, inside an sbatch
 script, starts the cluster with srun and runs a script as ``run`` does
-(:mod:`.slurm`); :mod:`.common` holds what they share. Imports go one way:
-this module -> slurm -> run, demo -> common, script -> siblings.
+(:mod:`.slurm`); ``dask-ddp export`` writes a sharded checkpoint as one file
+(:mod:`.export`); :mod:`.common` holds what they share. Imports go one way:
+this module -> slurm -> run, demo, export -> common, script -> siblings.
 
 Exit codes: 0 success; 1 the job failed (the root cause and its traceback on
 stderr) or the scheduler could not be reached; 2 usage errors (bad options,
@@ -24,7 +25,7 @@ import sys
 from typing import Sequence
 
 from dask_ddp import __version__
-from dask_ddp.cli import demo, run, slurm
+from dask_ddp.cli import demo, export, run, slurm
 from dask_ddp.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -41,6 +42,7 @@ PyTorch DistributedDataParallel on any Dask cluster.
   dask-ddp run    run an unchanged torchrun-style script, one rank per Dask worker
   dask-ddp demo   train a small CNN with DDP on scikit-learn's digits read from S3 (all local)
   dask-ddp slurm  inside an sbatch script: start the workers with srun, then run a script on them
+  dask-ddp export write a sharded checkpoint (save_sharded) as one torch.save or safetensors file
 """
 
 _EPILOG = """\
@@ -61,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dask-ddp", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dask-ddp {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{run,demo,slurm}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{run,demo,slurm,export}", required=True)
     run.add_parser(commands)
     demo.add_parser(commands)
     slurm.add_parser(commands)
+    export.add_parser(commands)
     return parser
 
 

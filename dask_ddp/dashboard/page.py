@@ -38,7 +38,7 @@ RANK_COLUMNS = (("rank", "Rank", 50), ("worker", "Worker", 190), ("host", "Host"
                 ("step", "Step", 60), ("step_time", "Step time", 80), ("input_wait", "Input wait", 80),
                 ("collective_wait", "Collective wait", 100), ("samples_per_s", "Samples/s", 80),
                 ("cpu", "CPU", 60), ("memory", "Memory", 90), ("gpu", "GPU", 140), ("last_seen", "Last seen", 80),
-                ("dropped", "Dropped", 70), ("straggler", "Straggler", 90))
+                ("dropped", "Dropped", 70), ("straggler", "Straggler", 90), ("checkpoint", "Checkpoint", 220))
 JOB_COLUMNS = (("name", "Job", 160), ("run", "Run id", 220), ("state", "State", 90), ("attempt", "Attempt", 60),
                ("ranks", "Ranks", 50), ("dropped", "Dropped", 70), ("started", "Started", 150))
 
@@ -80,7 +80,19 @@ def rank_table(job: JobView, now: float) -> dict[str, list[str]]:
         "last_seen": ["" if v is None else f"{v:.0f} s ago" for v in rows["last_seen"]],
         "dropped": [str(v) if v else "" for v in rows["dropped"]],
         "straggler": [f"yes ({c})" if c else "" for c in rows["straggler"]] if n else [],
+        "checkpoint": [checkpoint_text(*c) for c in zip(rows["ckpt_step"], rows["ckpt_stall_s"], rows["ckpt_upload_s"],
+                                                         rows["ckpt_bytes"], rows["ckpt_mb_s"])],
     }
+
+
+def checkpoint_text(step, stall, upload, size, mb_s) -> str:
+    """``step 300: stall 12.0 ms, upload 1.20 s, 64 MiB at 53 MB/s`` (the latest sharded save), or ``""``."""
+    if step is None:
+        return ""
+    parts = [f"stall {_seconds(stall)}" if stall is not None else "",
+             f"upload {_seconds(upload)}" if upload is not None else "",
+             (format_bytes(size) + (f" at {mb_s:.0f} MB/s" if mb_s is not None else "")) if size is not None else ""]
+    return f"step {step}: " + ", ".join(p for p in parts if p)
 
 
 def _stamp(t: float) -> str:

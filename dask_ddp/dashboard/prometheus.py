@@ -33,6 +33,12 @@ GAUGES = (
     ("dask_ddp_last_report_age_seconds", "last_report_age", "Seconds since the rank's last report()"),
     ("dask_ddp_last_seen_seconds", "last_seen", "Seconds since the scheduler last heard from the rank"),
     ("dask_ddp_dropped_events", "dropped", "Reports and lines of the rank dropped past its limits (ddp.events.max-*)"),
+    ("dask_ddp_checkpoint_step", "ckpt_step", "Step of the rank's latest sharded save"),
+    ("dask_ddp_checkpoint_stall_seconds", "ckpt_stall_s", "Seconds the latest sharded save stopped training"),
+    ("dask_ddp_checkpoint_wait_seconds", "ckpt_waited_s", "Seconds it waited for the previous async save"),
+    ("dask_ddp_checkpoint_upload_seconds", "ckpt_upload_s", "Seconds the rank's shards of it took to upload"),
+    ("dask_ddp_checkpoint_bytes", "ckpt_bytes", "Bytes the rank wrote in it"),
+    ("dask_ddp_checkpoint_megabytes_per_second", "ckpt_mb_s", "The rank's upload throughput in it (1e6 bytes/s)"),
 )
 
 _STATES: "weakref.WeakSet[DashboardState]" = weakref.WeakSet()

@@ -34,7 +34,8 @@ __all__ = ["DashboardState", "JobView", "RankView", "ENDED", "rank_rows"]
 ENDED = ("FINISHED", "FAILED", "CANCELLED")
 MAX_STRAGGLERS = 20
 TELEMETRY_FIELDS = ("step_time", "input_wait", "collective_wait", "samples_per_s", "cpu_percent", "rss_bytes",
-                    "gpu_util", "gpu_mem_bytes", "gpu_mem_peak_bytes", "last_report_age")
+                    "gpu_util", "gpu_mem_bytes", "gpu_mem_peak_bytes", "last_report_age", "ckpt_step", "ckpt_stall_s",
+                    "ckpt_waited_s", "ckpt_upload_s", "ckpt_bytes", "ckpt_mb_s")
 
 
 @dataclass

@@ -16,7 +16,8 @@ import re
 from typing import Any, Callable, Mapping
 from urllib.parse import quote, unquote
 
-__all__ = ["resolve", "call", "translate", "redact", "masked", "split_userinfo", "without_userinfo"]
+__all__ = ["resolve", "call", "translate", "redact", "masked", "split_userinfo", "without_userinfo", "error_chain",
+           "error_code"]
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)(?P<info>[^/@\s'\"]+)@")
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "signature")
@@ -207,3 +208,16 @@ def _scrubbed(exc: Exception, secrets: set[str]) -> Exception:
         if str(copy := type(exc)(text)) == text:
             return copy
     return OSError(f"{type(exc).__name__}: {text}")
+
+
+def error_chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, its cause or context, theirs, ... (5 at most); raises nothing."""
+    return _chain(exc)
+
+
+def error_code(exc: BaseException) -> str:
+    """The object store's error code of ``exc`` (botocore's ``ClientError``: ``"SlowDown"``, ...), else ``""``.
+
+    An exception may also carry ``code`` itself (a fault injected in tests). Raises nothing.
+    """
+    return _client_error_code(exc) or str(getattr(exc, "code", "") or "")

@@ -5,7 +5,8 @@ fresh: its main loop (:mod:`.main`), its rendezvous (:mod:`.rendezvous`), how it
 ends (:mod:`.outcome`), ``get_context()`` and the per-rank
 helpers (:mod:`.context`), ``report()`` (:mod:`.reporting`), telemetry (:mod:`.telemetry`,
 :mod:`.collectives`), preemption inside a rank (:mod:`.preemption`), GPU placement
-(:mod:`.devices`) and where its store and collectives listen (:mod:`.network`).
+(:mod:`.devices`), where its store and collectives listen (:mod:`.network`) and FSDP2/HSDP's
+device mesh and ``fully_shard`` in one call (:mod:`.fsdp`).
 
 May import: :mod:`dask_ddp.data` and :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 """

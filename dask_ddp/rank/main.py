@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
+from dask_ddp.data import sharded_async
 from dask_ddp.rank import context, preemption, reporting, telemetry
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
@@ -181,7 +182,9 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         pickling.expose_main(fn, *args, *kwargs.values())  # the notebook's functions, as __main__.<name>
         joined.append(rendezvous(chan.send, task, master_port, sampler, ending=chan.ending))
         context._set_context(context_of(task, joined[0]))
-        return fn(*args, **kwargs)
+        value = fn(*args, **kwargs)
+        sharded_async.wait_previous()  # an async sharded save still uploading commits (or fails) before the outcome
+        return value
 
     message = outcome(call, spec.rank, spec.address,
                       finish=lambda: finish(joined[0].keys, spec.rank, spec.world_size))

@@ -33,6 +33,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
+from dask_ddp.data.checkpoint import save_checkpoint
 from dask_ddp.wire.notices import Notice, Stopped, grace_period
 
 __all__ = ["Preempted", "preempted", "on_preemption", "grace_period"]
@@ -94,13 +95,17 @@ def sigterm_is_ours() -> bool:
     return handler is signal.SIG_DFL or (handler is not None and handler is _ON_SIGTERM)
 
 
-def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None) -> None:
+def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: int | None = None,
+                  sharded: bool = False) -> None:
     """Register what to save when this job is preempted: ``state()`` returns the dict to save.
 
     At the step every rank agreed to stop at, ``report()`` calls ``state()`` and
     ``save_checkpoint(state(), step=that step, all_ranks=all_ranks, keep=keep)`` in the
     job's ``checkpoint_dir``, then raises :class:`Preempted`; the job restarts and
     ``load_checkpoint()`` returns that state. Call it on every rank, before the loop.
+    With ``sharded=True`` it is ``save_sharded(state(), that step, keep=keep)`` instead
+    (``state()`` returns the dict of model, optimizer and values; ``load_sharded`` resumes
+    at any number of ranks); a step the code saved already is not saved again.
 
     Raises
     ------
@@ -111,7 +116,7 @@ def on_preemption(state: Callable[[], dict], *, all_ranks: bool = False, keep: i
     if not callable(state):
         raise TypeError(f"on_preemption(state=...) takes a function returning the dict to save, got "
                         f"{type(state).__name__}")
-    _SAVE = (state, {"all_ranks": all_ranks, "keep": keep})
+    _SAVE = (state, {"keep": keep, **({"sharded": True} if sharded else {"all_ranks": all_ranks})})
 
 
 def preempted() -> Preempted | None:
@@ -262,8 +267,6 @@ def at_report(step: int) -> None:
 
 
 def _stop_at(st: _Rank, step: int) -> None:
-    from dask_ddp.data.checkpoint import save_checkpoint
-
     note = st.notice
     st.due = Preempted(step, note.cause, note.deadline)
     st.due.started = time.time()
@@ -272,10 +275,21 @@ def _stop_at(st: _Rank, step: int) -> None:
     fn, kw = _SAVE
     state = fn()
     if time.time() < note.deadline:  # past it, the leaving rank is gone: a save now could never be committed
-        save_checkpoint(state, step=step, **kw)
+        _save(state, step, kw)
         st.due.saved = True
     st.raised_by_us = True
     raise st.due
+
+
+def _save(state: dict, step: int, kw: dict) -> None:
+    from dask_ddp.data import sharded
+
+    if not kw.get("sharded"):
+        save_checkpoint(state, step=step, **kw)
+        return
+    sharded.wait_sharded()  # an async save in flight commits first (or raises here)
+    if step not in {s.step for s in sharded.list_sharded()}:
+        sharded.save_sharded(state, step, keep=kw.get("keep"))
 
 
 def stopped(exc: Preempted) -> Stopped:

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from dask_ddp.data import sharded_async as _sharded_async
 from dask_ddp.rank import preemption as _preemption
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import NotInRankError
@@ -165,7 +166,12 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     Preempted
         At the step every rank agreed to stop at for a preemption, after saving what
         :func:`dask_ddp.on_preemption` registered (a ``BaseException``: the job restarts from there).
+    ShardError
+        A ``save_sharded(..., async_save=True)`` of this rank failed or stalled in the background (names the
+        rank and the key); raised once, by the first report() after it ended.
     """
+    if _sharded_async.FAILED[0] is not None:
+        _sharded_async.raise_failed()
     buf = _BUFFER
     if buf is None:
         where = ("in a process with no channel to the client (a DataLoader worker?): call it from the rank's main "

@@ -22,6 +22,9 @@ Where the numbers come from, with no user code:
   ``torch.cuda`` (reserved by the caching allocator, and its peak) and
   utilisation from NVML (``nvidia-ml-py``) when installed. CUDA is never
   initialised here: a rank that did not touch its GPU reports None.
+- **Checkpoints**: the latest ``save_sharded`` of the rank: its step, the
+  training stall, the wait for the previous async save, the upload's seconds,
+  bytes and MB/s (:func:`checkpoint_fields`; absent before the first).
 
 ``ddp.telemetry.enabled: false`` turns all of it off (no patching, no items).
 """
@@ -204,6 +207,7 @@ class Sampler:
                 "cpu_percent": float(self.proc.cpu_percent()), "rss_bytes": int(self.proc.memory_info().rss),
                 "last_report_age": None if self._report_time is None else max(0.0, time.time() - self._report_time)}
         item.update(self._gpu())
+        item.update(checkpoint_fields())
         if steps:  # a step longer than the window: its collective wait adds up until it ends
             p.coll_wait = c.coll_wait
         return item
@@ -269,6 +273,22 @@ def _share(part: float, whole: float) -> float | None:
     if whole <= 0:
         return None
     return min(1.0, max(0.0, part / whole))
+
+
+CHECKPOINT_FIELDS = ("ckpt_step", "ckpt_stall_s", "ckpt_waited_s", "ckpt_upload_s", "ckpt_bytes", "ckpt_mb_s")
+
+
+def checkpoint_fields() -> dict:
+    """The rank's latest sharded save (``save_sharded``): step, training stall, wait for the previous async
+    save, upload seconds, bytes this rank wrote and its MB/s (1e6 bytes); ``{}`` before the first save (the
+    item then has the fields it always had)."""
+    from dask_ddp.data.sharded_async import SAVES
+
+    if not SAVES:
+        return {}
+    last = SAVES[-1]
+    return {"ckpt_step": last.get("step"), "ckpt_stall_s": last.get("stall_s"), "ckpt_waited_s": last.get("waited_s"),
+            "ckpt_upload_s": last.get("upload_s"), "ckpt_bytes": last.get("bytes"), "ckpt_mb_s": last.get("mb_s")}
 
 
 def start(rank: int, attempt: int, interval: float) -> Sampler:
