@@ -496,7 +496,9 @@ def test_a_million_reports_keep_the_client_bounded_and_metrics_fast(client):
 
     tracemalloc.start()
     try:
-        with dask.config.set({"ddp.echo-logs": False, "ddp.events.max-rows": 20_000}):
+        # the record's row cap, not the ranks' budget per interval (tests/test_limits.py): that one out of the way
+        with dask.config.set({"ddp.echo-logs": False, "ddp.events.max-rows": 20_000,
+                              "ddp.events.max-bytes-per-interval": 1 << 30}):
             job = run(client, _chatty, REPORTS)
             assert job.result(timeout=280) == [REPORTS, REPORTS]
         held, peak = tracemalloc.get_traced_memory()

@@ -237,6 +237,8 @@ class Supervisor:
                 if result is not None and exit_by is None:  # the child destroys its process group, then exits
                     exit_by = time.monotonic() + 10
             elif not child.alive():
+                if child.conn.poll(0):  # its last messages came after the look above, then it exited: read them
+                    continue
                 return result or self._died()
             if exit_by is not None and time.monotonic() > exit_by:
                 return result  # stuck in destroy_process_group: the caller kills it, the outcome stands
