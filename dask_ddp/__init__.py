@@ -39,6 +39,7 @@ from dask_ddp.rank.telemetry import timed
 from dask_ddp.wire.errors import (
     ClientClosedError,
     DaskDDPError,
+    DaskDDPWarning,
     JobCancelledError,
     NotInRankError,
     PlanError,
@@ -86,7 +87,7 @@ __all__ = [
     "WorkerLostError",
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
-    "MLflowSink",
+    "MLflowSink", "DaskDDPWarning",
     "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "slurm_options", "save_sharded", "load_sharded",
     "wait_sharded", "ShardError", "device_mesh", "shard_model",
 ]

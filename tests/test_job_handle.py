@@ -153,3 +153,14 @@ def test_a_driver_that_cannot_start_is_a_failed_job_to_find(client):
         finally:
             with detach._LOCK:
                 detach._DRIVERS.pop(spec.run_id, None)
+
+
+def test_the_job_shows_its_state_ranks_workers_progress_and_its_dashboard_page(client):
+    job = run(client, steps, 5, total=5)
+    assert job.result(timeout=120) is not None
+    text = repr(job)
+    assert text.startswith(f"<dask_ddp.Job {job.run_id} FINISHED ranks=2 workers=2") and "step 5 of 5" in text
+    page = job._repr_html_()
+    assert "FINISHED" in page and "2 ranks on 2 workers (1 hosts)" in page and "step 5 of 5" in page
+    link = client.dashboard_link.rsplit("/", 1)[0] + "/ddp"
+    assert f'href="{link}"' in page

@@ -26,7 +26,7 @@ from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.control import Control, LocalControl
 from dask_ddp.client.record import ENDED, format_log
 from dask_ddp.data.checkpoint import job_folder
-from dask_ddp.observe.display import job_html
+from dask_ddp.observe.display import job_html, progress_text
 from dask_ddp.observe.progress import Progress
 from dask_ddp.observe.sinks import plot_metrics
 from dask_ddp.wire.spec import LaunchSpec
@@ -291,5 +291,8 @@ class Job:
         return job_html(self)
 
     def __repr__(self) -> str:
-        ranks = self.plan.world_size if self.plan else "?"
-        return f"<dask_ddp.Job {self.run_id} {self.state} ranks={ranks}>"
+        plan = self.plan
+        ranks = plan.world_size if plan else "?"
+        workers = f" workers={len({r.address for r in plan.ranks})}" if plan else ""
+        step = progress_text(self)
+        return f"<dask_ddp.Job {self.run_id} {self.state} ranks={ranks}{workers}" + (f" {step}>" if step else ">")

@@ -11,8 +11,10 @@ import itertools
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 
+from dask_ddp.wire.errors import DaskDDPWarning
 from dask_ddp.wire.events import EventLimits, item_size
 
 __all__ = ["JobRecord", "format_log", "STATES", "ENDED"]
@@ -99,9 +101,9 @@ class JobRecord:
             self.cond.notify_all()
         if not self._warned and self.n_metrics > self.max_rows:
             self._warned = True
-            logger.warning("job %s: more than %d reports; job.metrics keeps the latest %d (ddp.events.max-rows): "
-                           "attach a sink (dask_ddp.JSONLinesSink) for the whole history", self.run_id,
-                           self.metric_rows.maxlen, self.metric_rows.maxlen)
+            warnings.warn(f"job {self.run_id}: more than {self.metric_rows.maxlen} reports; job.metrics keeps the "
+                          f"latest {self.metric_rows.maxlen} (ddp.events.max-rows): attach a sink "
+                          "(dask_ddp.JSONLinesSink) for the whole history", DaskDDPWarning, stacklevel=2)
 
     def _append(self, rows: deque, name: str, item: dict, size: int) -> None:
         if len(rows) == rows.maxlen:
@@ -122,7 +124,7 @@ class JobRecord:
                 self._warned_thin = True
                 self.note(f"job.metrics holds more than {self.max_bytes // 2} bytes of reports "
                           "(ddp.events.max-record-bytes): its older half is thinned (every other row dropped) to "
-                          "stay within it; attach a sink (dask_ddp.JSONLinesSink) for every row")
+                          "stay within it; attach a sink (dask_ddp.JSONLinesSink) for every row", user=True)
         for rows, name in ((self.log_items, "logs"), (self.events, "events")):
             while self.sizes[name] > self.max_bytes // 4 and len(rows) > 1:
                 self.sizes[name] -= item_size(rows.popleft())
@@ -138,7 +140,8 @@ class JobRecord:
             self.drop_reasons[what, reason] = self.drop_reasons.get((what, reason), 0) + count
             if first:
                 self.note(f"rank {rank} sent {what}s past its limit: {self.limits.why(str(reason))}; they are "
-                          f"dropped and counted (job.dropped); report less often or fewer keys, or raise the setting")
+                          f"dropped and counted (job.dropped); report less often or fewer keys, or raise the setting",
+                          user=True)
         return [it for it in items if it.get("kind") != "dropped"]
 
     def dropped_summary(self) -> str | None:
@@ -168,8 +171,11 @@ class JobRecord:
             self.cond.notify_all()
         logger.info("job %s: %s -> %s (%s)", self.run_id, old, new, cause)
 
-    def note(self, cause: str) -> None:
-        """Keep an event that is no transition in ``history`` (old and new state the same), logged as a warning."""
+    def note(self, cause: str, user: bool = False) -> None:
+        """Keep an event that is no transition in ``history`` (old and new state the same), logged as a warning;
+        ``user``: something the user should change, also a :class:`~dask_ddp.DaskDDPWarning`."""
+        if user:
+            warnings.warn(f"job {self.run_id}: {cause}", DaskDDPWarning, stacklevel=3)
         with self.cond:
             self.history.append((time.time(), self.state, self.state, cause))
             self.cond.notify_all()

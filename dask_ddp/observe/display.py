@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import time
 
-__all__ = ["rank_rows", "job_html", "LiveTable", "COLUMNS"]
+__all__ = ["rank_rows", "job_html", "progress_text", "dashboard_url", "LiveTable", "COLUMNS"]
 
 COLUMNS = ("rank", "worker", "host", "device", "step", "step time", "input wait", "collective wait", "samples/s",
            "CPU", "memory", "GPU", "GPU memory", "last seen", "dropped", "straggler", "checkpoint")
@@ -77,11 +77,39 @@ def rank_rows(record, plan, now: float | None = None) -> list[dict]:
     return rows
 
 
+def progress_text(job) -> str:
+    """``step 41 of 100`` (``job.spec.total`` known) or ``step 41``; ``""`` before the first report."""
+    top, total = job._record.top_step, getattr(job.spec, "total", None)
+    if top < 0:
+        return ""
+    return f"step {top + 1} of {total}" if total else f"step {top + 1}"
+
+
+def dashboard_url(job) -> str | None:
+    """The DDP page of the job's cluster (the scheduler's dashboard, ``/ddp``), or None when it has none."""
+    try:
+        link = job.client.dashboard_link
+    except Exception:  # noqa: BLE001 - no dashboard (bokeh missing, dashboard_address=None, a closed client)
+        return None
+    if not link:
+        return None
+    base = link.rsplit("/", 1)[0] if link.rstrip("/").endswith("status") else link.rstrip("/")
+    return base + "/ddp"
+
+
 def job_html(job, now: float | None = None) -> str:
-    """The job as HTML: name, run id, state and attempt, then the per-rank table (telemetry so far)."""
+    """The job as HTML: name, run id, state and attempt, ranks and workers, progress, a link to the DDP page
+    of the Dask dashboard, then the per-rank table (telemetry so far)."""
     attempt = job.attempt.index + 1 if job.attempt else 0
+    plan = job.plan
+    where = "" if plan is None else (f", {plan.world_size} ranks on {len({r.address for r in plan.ranks})} "
+                                     f"workers ({len({r.host for r in plan.ranks})} hosts)")
+    step = progress_text(job)
+    url = dashboard_url(job)
+    link = f' &middot; <a href="{html.escape(url)}" target="_blank">DDP dashboard</a>' if url else ""
     head = (f"<b>dask-ddp job</b> {html.escape(str(job.name))} <code>{html.escape(job.run_id)}</code>: "
-            f"<b>{html.escape(job.state)}</b>, attempt {attempt}")
+            f"<b>{html.escape(job.state)}</b>, attempt {attempt}{html.escape(where)}"
+            + (f", {html.escape(step)}" if step else "") + link)
     rows = rank_rows(job._record, job.plan, now)
     if not rows:
         return f"<div>{head}</div>"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "DaskDDPWarning",
     "DaskDDPError",
     "PlanError",
     "SerializationError",
@@ -32,6 +33,13 @@ def _rebuild(cls, args, state):
     Exception.__init__(err, *args)
     err.__dict__.update(state)
     return err
+
+
+class DaskDDPWarning(UserWarning):
+    """dask-ddp's warnings about how it is used: something to change in the code or a setting (a sink to
+    attach, a limit a rank passes). Shown once per place by Python's default filter; silence them with
+    ``warnings.filterwarnings("ignore", category=dask_ddp.DaskDDPWarning)``. What happens to a running job
+    (restarts, stragglers, lost workers) is logged on the ``dask_ddp`` logger and kept in ``job.history``."""
 
 
 class DaskDDPError(Exception):
