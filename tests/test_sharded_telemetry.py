@@ -47,7 +47,7 @@ def test_a_saves_figures_reach_the_notebook_the_page_and_prometheus(tmp_path):
     for name in ("stall_seconds", "upload_seconds", "megabytes_per_second", "wait_seconds"):
         assert f"dask_ddp_checkpoint_{name}" in found, name
 
-    record = SimpleNamespace(cond=threading.Condition(), telemetry={0: item}, stragglers={})
+    record = SimpleNamespace(cond=threading.Condition(), telemetry={0: item}, stragglers={}, dropped={})
     plan = SimpleNamespace(ranks=[SimpleNamespace(rank=0, address="tcp://a:1", host="a")])
     row = display.rank_rows(record, plan)[0]
     assert row["checkpoint"].startswith("step 12: stall ") and "MB/s" in row["checkpoint"], row
