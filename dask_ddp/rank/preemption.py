@@ -159,6 +159,10 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
                         "signal"), thread=True)
 
     global _ON_SIGTERM, _WATCHER
+    if _ON_SIGTERM is None:  # once per process: a child this rank forks (a multiprocessing Pool's worker, a
+        # DataLoader worker) takes SIGTERM's default action, not this handler: Pool.terminate() SIGTERMs its
+        # workers and joins them, and with the handler inherited, jobs that used fork Pools hung there
+        os.register_at_fork(after_in_child=_default_sigterm_in_child)
     _ON_SIGTERM = on_sigterm
     signal.signal(signal.SIGTERM, on_sigterm)
     _WATCHER = threading.Thread(target=_watch, args=(master_addr, port, prefix), name="dask-ddp-notice",
@@ -166,6 +170,15 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
     _WATCHER.start()
     if _EARLY is not None:
         announce(_EARLY)
+
+
+def _default_sigterm_in_child() -> None:
+    """After a fork, in the child: SIGTERM ends it (the rank's handler is the rank's, see :func:`start`)."""
+    if signal.getsignal(signal.SIGTERM) is _ON_SIGTERM:  # the job's own handler, if it set one, stays
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # forked from a thread that is not the main one: the handler still ends a child
+            pass
 
 
 def _watch(master_addr: str, port: int, prefix: str = "") -> None:
