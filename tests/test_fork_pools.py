@@ -33,4 +33,8 @@ def pools(n: int) -> int:
 def test_ranks_open_and_close_fork_pools_again_and_again(client):
     # 10 pools a rank: fewer did not hang reliably before the fix (5 pools x 2 jobs passed without it)
     for _ in range(3):  # jobs after the first hung too (a rank forked from the warm zygote)
-        assert run(client, pools, 10).result(timeout=120) == [10, 10]
+        job = run(client, pools, 10)
+        try:
+            assert job.result(timeout=120) == [10, 10]
+        finally:
+            job.cancel()  # a hung job must not hold the module's workers for the tests after it
