@@ -162,7 +162,8 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
     if _ON_SIGTERM is None:  # once per process: a child this rank forks (a multiprocessing Pool's worker, a
         # DataLoader worker) takes SIGTERM's default action, not this handler: Pool.terminate() SIGTERMs its
         # workers and joins them, and with the handler inherited, jobs that used fork Pools hung there
-        os.register_at_fork(after_in_child=_default_sigterm_in_child)
+        os.register_at_fork(before=_block_sigterm, after_in_parent=_unblock_sigterm,
+                            after_in_child=_default_sigterm_in_child)
     _ON_SIGTERM = on_sigterm
     signal.signal(signal.SIGTERM, on_sigterm)
     _WATCHER = threading.Thread(target=_watch, args=(master_addr, port, prefix), name="dask-ddp-notice",
@@ -172,13 +173,37 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
         announce(_EARLY)
 
 
+_FORKING = threading.local()  # .blocked: SIGTERM was blocked in this thread for its fork
+
+
+def _block_sigterm() -> None:
+    """Before a fork, in the forking thread: hold SIGTERM back until the child has SIGTERM's default action.
+
+    Without this a SIGTERM that reaches the child between the fork and :func:`_default_sigterm_in_child` (a Pool
+    worker not yet scheduled when ``Pool.terminate()`` signals it) is caught by the inherited Python handler's
+    trampoline, and then dropped, since Python runs no handler for a signal whose handler became SIG_DFL: the
+    worker lives on and ``Pool.__exit__`` joins it forever. Blocked, the kernel keeps it pending instead.
+    """
+    _FORKING.blocked = (signal.getsignal(signal.SIGTERM) is _ON_SIGTERM
+                        and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}))
+
+
+def _unblock_sigterm() -> None:
+    """After a fork, in the parent (and last in the child): undo :func:`_block_sigterm`."""
+    if getattr(_FORKING, "blocked", False):
+        _FORKING.blocked = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _default_sigterm_in_child() -> None:
-    """After a fork, in the child: SIGTERM ends it (the rank's handler is the rank's, see :func:`start`)."""
+    """After a fork, in the child: SIGTERM ends it (the rank's handler is the rank's, see :func:`start`); a SIGTERM
+    held back since the fork (:func:`_block_sigterm`) is delivered now, with that default action."""
     if signal.getsignal(signal.SIGTERM) is _ON_SIGTERM:  # the job's own handler, if it set one, stays
         try:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        except ValueError:  # forked from a thread that is not the main one: the handler still ends a child
+        except ValueError:  # not the main thread: the inherited handler still ends a child (it is not the rank)
             pass
+    _unblock_sigterm()
 
 
 def _watch(master_addr: str, port: int, prefix: str = "") -> None:
