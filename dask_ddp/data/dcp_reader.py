@@ -24,6 +24,19 @@ from dask_ddp.data.dcp_storage import ShardError, with_retries
 __all__ = ["ShardReader"]
 
 
+@functools.cache
+def _quiet_readonly_views() -> None:
+    """torch warns once a process when a tensor views read-only bytes; the reader's views are only copied from
+    (into the state's own tensors), so spend that one warning here, silenced, instead of copying every file."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(bytes(4), dtype=torch.uint8)
+
+
 class ShardReader:
     """DCP ``StorageReader`` for one committed step folder; ``metadata`` is its decoded ``.metadata``."""
 
@@ -32,6 +45,7 @@ class ShardReader:
         self.fs, self.path, self.url, self.metadata, self.rank = fs, folder_path, url, metadata, rank
         self.threads, self.options, self.whole_file_share = threads, options or {}, whole_file_share
         self.stats = {"bytes": 0, "download_s": 0.0}
+        _quiet_readonly_views()
 
     def reset(self, checkpoint_id=None) -> None:
         self.stats = {"bytes": 0, "download_s": 0.0}
@@ -75,13 +89,12 @@ class ShardReader:
         size = max((o + n for o, n in spans), default=0)
         path = f"{self.path}/{name}"
         try:
-            if needed >= self.whole_file_share * size:
-                whole = bytearray(with_retries(lambda: self.fs.cat_file(path)))  # writable: tensors view it
-                chunk: dict = {span: memoryview(whole)[span[0]:span[0] + span[1]] for span in spans}
+            if needed >= self.whole_file_share * size:  # views of the bytes read: no copy (tensors only read them)
+                whole = memoryview(with_retries(lambda: self.fs.cat_file(path)))
+                chunk: dict = {span: whole[span[0]:span[0] + span[1]] for span in spans}
             else:
-                chunk = {span: bytearray(with_retries(functools.partial(self.fs.cat_file, path, start=span[0],
-                                                                                        end=span[0] + span[1])))
-                         for span in spans}
+                chunk = {span: with_retries(functools.partial(self.fs.cat_file, path, start=span[0],
+                                                              end=span[0] + span[1])) for span in spans}
         except FileNotFoundError:
             raise ShardError(f"rank {self.rank}: {self.url}/{name} is missing although its step is committed: it "
                              "was deleted (keep= pruning by another job, or by hand); load another step=...") from None
