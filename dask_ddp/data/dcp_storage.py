@@ -327,6 +327,8 @@ class ShardWriter:
             size = with_retries(lambda: self.fs.info(path)["size"])
         except FileNotFoundError:
             size = None
+        except Exception as exc:  # noqa: BLE001 - named
+            raise named(exc, self.rank, f"{self.url}/{relative}", "checking the size of", self.options) from None
         if size != expected:
             raise ShardError(f"rank {self.rank}: {self.url}/{relative} holds {size} bytes after its upload closed, "
                              f"{expected} were written: the store lost data; this step is not committed (the "
@@ -361,5 +363,9 @@ def named(exc: BaseException, rank: int, url: str, doing: str, options: dict) ->
     if mapped is not None:
         return mapped
     text = storage.redact(f"rank {rank}: {doing} {url} failed: {type(exc).__name__}: {exc}", options)
-    return ShardError(text + " — the step is not committed (the previous one stays the latest); check the store "
-                      "and save again")
+    if throttled(exc):
+        text += " (the store still asked to slow down after the retries with backoff)"
+    if doing in ("writing", "checking the size of"):
+        return ShardError(text + " — the step is not committed (the previous one stays the latest); check the "
+                          "store and save again")
+    return ShardError(text + " — check the store and its credentials, and try again")

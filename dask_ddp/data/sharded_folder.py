@@ -62,8 +62,26 @@ def _listing(where: _Where) -> list[str]:
         except FileNotFoundError:
             return []
 
-    found = dcp_storage.with_retries(lambda: where_call(where, ls, "listing it"))
+    found = retried(where, ls, "listing it")
     return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in found]
+
+
+def retried(where: _Where, fn, doing: str, name: str = ""):
+    """:func:`where_call` again after throttling (503, SlowDown) with backoff; a store still throttling after the
+    retries (its client's and ours) raises ShardError naming the rank and the URL."""
+    try:
+        return dcp_storage.with_retries(lambda: where_call(where, fn, doing, name))
+    except Exception as exc:  # noqa: BLE001 - named when throttled, else re-raised
+        if not dcp_storage.throttled(exc):
+            raise
+        url = f"{where.raw}/{SUBFOLDER}" + (f"/{name}" if name else "")
+        raise dcp_storage.named(exc, _rank(), url, doing.removesuffix(" it"), where.options) from None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def where_call(where: _Where, fn, doing: str, name: str = ""):
@@ -92,7 +110,7 @@ def _put(where: _Where, path: str, data: bytes, point: str) -> None:
 
         _local_atomic_write(path, data)
     else:
-        dcp_storage.with_retries(lambda: where.fs.pipe_file(path, data))
+        retried(where, lambda: where.fs.pipe_file(path, data), "writing it", path.rsplit(f"/{SUBFOLDER}/", 1)[-1])
 
 
 def commit(where: _Where, step: int, folder: str, metadata, files: dict, world_size: int) -> None:
@@ -110,7 +128,7 @@ def commit(where: _Where, step: int, folder: str, metadata, files: dict, world_s
     dcp_storage.fault("commit-verify", folder=folder)
     where.fs.invalidate_cache(folder_path)
     listed = {str(e["name"]).rsplit("/", 1)[-1]: e.get("size")
-              for e in dcp_storage.with_retries(lambda: where.fs.ls(folder_path, detail=True))}
+              for e in retried(where, lambda: where.fs.ls(folder_path, detail=True), "listing it", folder)}
     for name, record in sorted(files.items()):
         if listed.get(name) != record["bytes"]:
             raise dcp_storage.ShardError(
@@ -150,8 +168,7 @@ def read_metadata(where: _Where, found: Step):
     path, _ = base(where)
     name = f"{path}/{found.folder}/.metadata"
     try:
-        data = dcp_storage.with_retries(lambda: where_call(where, lambda: where.fs.cat_file(name), "reading it",
-                                                           f"{found.folder}/.metadata"))
+        data = retried(where, lambda: where.fs.cat_file(name), "reading it", f"{found.folder}/.metadata")
         with torch.serialization.safe_globals(_safe_types()):
             metadata = torch.load(io.BytesIO(data), weights_only=True)
     except FileNotFoundError:
