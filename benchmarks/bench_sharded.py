@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_sharded.py [--gib 1.0] [--out benchmarks/RESULTS_sharded.md]
+    python benchmarks/bench_sharded.py [--gib 1.0] [--pairs 3] [--out benchmarks/RESULTS_sharded.md]
 
 Two gloo ranks (forked processes, CPU) hold an FSDP2 model of ``--gib`` GiB of float32 parameters (half on each
 rank) and a moto S3 server runs in this process on 127.0.0.1. Side by side, in one run, each timed on rank 0
@@ -63,7 +63,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def _bench(rank, world, endpoint, bucket, gib):
+def _bench(rank, world, endpoint, bucket, gib, pairs=0):
     import s3fs
     import torch
     import torch.distributed as dist
@@ -163,8 +163,39 @@ def _bench(rank, world, endpoint, bucket, gib):
                 fs.cat_file(f, start=start, end=min(size, start + (8 << 20)))
 
     out["s3fs_read_ranged_s"] = _timed(ranged)
+    out["pairs"] = _pairs(rank, fs, model, fresh, nbytes // world, base, bucket, opts, pairs)
     dist.barrier()
     return out
+
+
+def _pairs(rank, fs, model, fresh, half_bytes, base, bucket, opts, count):
+    """``count`` rounds of (ours, its ceiling) back to back, for save and for load: the ratio of each pair, so a
+    machine whose load drifts during the run (other work on 2 shared cores) compares like with like."""
+    import concurrent.futures as cf
+
+    import dask_ddp
+
+    rounds = []
+    for i in range(count):
+        step = 100 + i
+        save = _timed(lambda: dask_ddp.save_sharded({"model": model}, step, directory=f"{base}/pairs", keep=1,
+                                                    storage_options=opts))
+        found = dask_ddp.checkpoint.list_sharded(f"{base}/pairs", storage_options=opts)[-1]
+        mine = sorted(f for f in fs.ls(found.url.removeprefix("s3://"), refresh=True)
+                      if f.endswith(".distcp") and f"-rank-{rank:05d}-" in f)
+        piece = b"\0" * (half_bytes // len(mine))
+
+        def write():
+            with cf.ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda j: fs.pipe_file(f"{bucket}/pairceil/{rank}-{j}", piece), range(len(mine))))
+
+        write_s = _timed(write)
+        del piece
+        load = _timed(lambda: dask_ddp.load_sharded({"model": fresh}, directory=f"{base}/pairs", step=step,
+                                                    storage_options=opts))
+        read_s = _timed(lambda: [fs.cat_file(f) for f in mine])
+        rounds.append({"save": save, "write": write_s, "load": load, "read": read_s})
+    return rounds
 
 
 def one_process(rank, world, endpoint, bucket):
@@ -188,6 +219,9 @@ def one_process(rank, world, endpoint, bucket):
     with cf.ThreadPoolExecutor(4) as pool:  # the reader's own thread count
         list(pool.map(fs.cat_file, step1))
     return ours, time.perf_counter() - started, len(step1)
+
+
+LOAD = list(os.getloadavg())  # at start: the machine is shared
 
 
 def report(r: dict, one_process: tuple, gib: float) -> str:
@@ -223,11 +257,27 @@ def report(r: dict, one_process: tuple, gib: float) -> str:
     ]
     lines = [f"# Sharded checkpoints on moto S3 ({datetime.date.today()}, {platform.node()}, "
              f"{os.cpu_count()} cores, CPU)", "",
-             f"`python benchmarks/bench_sharded.py --gib {gib}`: an FSDP2 model of {r['bytes'] / 2**30:.2f} GiB "
-             "(float32) on 2 gloo ranks, moto on 127.0.0.1 in the benchmark's process. MB = 1e6 bytes.", "",
+             f"`python benchmarks/bench_sharded.py --gib {gib} --pairs {len(r['pairs'])}`: an FSDP2 model of {r['bytes'] / 2**30:.2f} GiB "
+             "(float32) on 2 gloo ranks, moto on 127.0.0.1 in the benchmark's process. MB = 1e6 bytes. Load "
+             f"average (1 min) before the run {LOAD[0]:.1f}, after it {os.getloadavg()[0]:.1f}.", "",
              "| what | seconds | MB/s | x ceiling |", "|---|---:|---:|---:|"]
     for name, seconds, speed, ratio in rows:
         lines.append(f"| {name} | {seconds:.2f} | {speed:.0f} | {'' if ratio is None else f'{ratio:.2f}'} |")
+    if r["pairs"]:
+        import statistics
+
+        save = [p["write"] / p["save"] for p in r["pairs"]]
+        load = [p["read"] / p["load"] for p in r["pairs"]]
+        lines += ["", f"{len(r['pairs'])} rounds of (ours, then its ceiling) back to back, each ratio within its round "
+                  "(blocking save vs the s3fs write ceiling; load_sharded at 2 ranks vs whole-object GETs of the "
+                  "same step's files):", "",
+                  "| round | save s | write ceiling s | save x ceiling | load s | read ceiling s | load x ceiling |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for i, p in enumerate(r["pairs"]):
+            lines.append(f"| {i + 1} | {p['save']:.2f} | {p['write']:.2f} | {save[i]:.2f} | {p['load']:.2f} | "
+                         f"{p['read']:.2f} | {load[i]:.2f} |")
+        lines += ["", f"Median of the rounds: save **{statistics.median(save):.2f}x**, load "
+                  f"**{statistics.median(load):.2f}x** the ceiling."]
     share = 100 * r["ours_async_stall_s"] / r["ours_save_s"]
     lines += ["", f"Training stall per checkpoint: blocking {r['ours_save_s']:.2f} s, async "
               f"{r['ours_async_stall_s']:.3f} s ({share:.1f} % of blocking). torch.save's full-state gather took "
@@ -238,6 +288,7 @@ def report(r: dict, one_process: tuple, gib: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of (ours, ceiling) back to back")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import boto3
@@ -256,7 +307,7 @@ def main() -> None:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
-        result = run_ranks(2, _bench, endpoint, "bench", args.gib, timeout=1800)[0]
+        result = run_ranks(2, _bench, endpoint, "bench", args.gib, args.pairs, timeout=3600)[0]
         one = run_ranks(1, one_process, endpoint, "bench", timeout=1800)[0]
     finally:
         server.stop()
