@@ -44,11 +44,17 @@ def train(lr, ranks, folder, steps=10, step_time=0.1):
     assert ctx.world_size == ranks, (ctx.world_size, ranks)
     with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}"), "w") as f:
         f.write(str(os.getpid()))
-    for step in range(steps):
-        t = torch.tensor([(lr - 0.3) ** 2 + 1.0 / (step + 1)])
-        dist.all_reduce(t)
-        dask_ddp.report(loss=t.item() / ctx.world_size, step=step)
-        time.sleep(step_time)
+    done = -1
+    try:
+        for step in range(steps):
+            t = torch.tensor([(lr - 0.3) ** 2 + 1.0 / (step + 1)])
+            dist.all_reduce(t)
+            dask_ddp.report(loss=t.item() / ctx.world_size, step=step)
+            done = step  # the last step whose report returned
+            time.sleep(step_time)
+    finally:  # a pruned trial's ranks stop in a report: each says at which step
+        with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}.last"), "w") as f:
+            f.write(str(done))
     return ctx.rank
 
 
@@ -127,18 +133,18 @@ def _most_busy(df: pd.DataFrame) -> int:
 
 
 # ---- on the cluster -----------------------------------------------------------------------------------------
-def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
+def test_forty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2)
-    s = dask_ddp.sweep(client4, train, {"lr": {"low": 0.0, "high": 1.0}, "ranks": [1, 2]}, n_trials=20,
+    s = dask_ddp.sweep(client4, train, {"lr": {"low": 0.0, "high": 1.0}, "ranks": [1, 2]}, n_trials=40,
                        metric="loss", ranks_per_trial="ranks", scheduler=pruner, seed=1,
-                       kwargs={"folder": str(tmp_path)})
+                       kwargs={"folder": str(tmp_path), "steps": 30, "step_time": 0.05})
     try:
-        assert s.wait(240), f"the sweep did not end: {s!r}"
+        assert s.wait(400), f"the sweep did not end: {s!r}"
     finally:
         s.cancel()
     df = s.results()
     assert s.state == "FINISHED", (s.state, s.cause)
-    assert len(df) == 20 and set(df["state"]) <= set(TRIAL_ENDED), df[["trial", "state", "error"]]
+    assert len(df) == 40 and set(df["state"]) <= set(TRIAL_ENDED), df[["trial", "state", "error"]]
     counts = df["state"].value_counts().to_dict()
     # asynchronous successive halving promotes the first trial to reach a rung (so one trial at least
     # completes) and then only the top half at each rung: how many complete depends on the order trials end
@@ -148,18 +154,22 @@ def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     assert {"params_lr", "params_ranks", "value", "last", "best", "steps", "started", "ended", "duration",
             "run_id"} <= set(df.columns)
     assert df[["started", "ended", "run_id", "last", "best", "value"]].notna().all().all(), df
-    # a pruned trial counts its reports up to the decision's step, a complete one all ten
+    # a pruned trial counts its reports up to the decision's step, a complete one all thirty
     pruned, done = df[df["state"] == "PRUNED"], df[df["state"] == "COMPLETE"]
-    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < 9).all(), pruned
-    assert (done["steps"] == 10).all() and (done["value"] == done["last"]).all(), done
+    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < 29).all(), pruned
+    assert (done["steps"] == 30).all() and (done["value"] == done["last"]).all(), done
     # Optuna was told the same ends
     told = {t.number: t.state.name for t in s.study.trials}
     assert told == dict(zip(df["trial"], df["state"])), told
-    # every rank of every pruned trial ran, and its process is gone
+    # every rank of every pruned trial ran, stopped at one step (the agreed one, at or after the decision's),
+    # and its process is gone
+    assert pruned["stopped_step"].notna().all(), pruned[["trial", "pruned_at", "stopped_step"]]
     for row in pruned.itertuples():
         pids = [int((tmp_path / f"{row.run_id}.{r}").read_text()) for r in range(row.ranks)]
         alive = [p for p in pids if not _gone(p)]
         assert not alive, f"trial {row.trial} pruned at {row.pruned_at}: ranks still alive {alive}"
+        last = {int((tmp_path / f"{row.run_id}.{r}.last").read_text()) for r in range(row.ranks)}
+        assert last == {row.stopped_step} and row.stopped_step >= row.pruned_at, (row, last)
     # gang placement: a worker serves one trial at a time, never more than the cluster at once
     assert _intervals_overlap_per_worker(df) == []
     assert _most_busy(df) <= 4
@@ -389,6 +399,9 @@ class _Ended:
         self.state, self.cancelled = "FINISHED", False
 
     def cancel(self, timeout=None):
+        self.cancelled = True
+
+    def stop(self, cause, grace=None):
         self.cancelled = True
 
     def result(self, timeout=None, progress=None):

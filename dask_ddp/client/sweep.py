@@ -52,10 +52,12 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     arguments. ``train_fn`` reports the metric with ``dask_ddp.report(**{metric: value})``; rank 0's reports
     count (average over ranks first, e.g. with :func:`dask_ddp.all_reduce_mean`, where they differ), at the
     report's ``step``. A trial's value is its last report. The ``scheduler`` (an Optuna pruner) decides at
-    each report whether to stop the trial; a pruned trial's job is cancelled, so every one of its ranks is
-    stopped together (their processes are killed: no rank is left waiting in a collective, and their memory,
-    GPU memory included, is freed); it is recorded PRUNED at the step of the decision, and what its ranks
-    reported after that step does not count.
+    each report whether to stop the trial; a pruned trial's ranks all stop at one agreed report (the
+    preemption protocol: :meth:`Job.stop <dask_ddp.client.job.Job.stop>`; what :func:`dask_ddp.on_preemption`
+    registered is saved there), or, if they reach no report within ``ddp.sweep.prune-grace`` seconds, are
+    killed together (no rank is left waiting in a collective); their processes exit and their memory, GPU
+    memory included, is freed. It is recorded PRUNED at the step of the decision (``pruned_at``; its ranks
+    stopped at ``stopped_step``), and what its ranks reported after that step does not count.
 
     A trial of ``k`` ranks starts only when ``k`` workers are free, on all ``k`` at once, on one host where
     one has room (best fit), else on as few hosts as possible; its workers are free again once all its ranks
@@ -283,7 +285,8 @@ class Sweep:
     def results(self) -> pd.DataFrame:
         """One row per trial asked so far, by trial number: ``trial``, ``state``, ``params_<name>`` for each
         parameter, ``value`` (what Optuna was told), ``last`` and ``best`` report of the metric, ``steps``
-        (reports that counted), ``last_step``, ``pruned_at``, ``ranks``, ``workers`` (comma-separated
+        (reports that counted), ``last_step``, ``pruned_at``, ``stopped_step`` (where every rank of a pruned trial
+        stopped), ``ranks``, ``workers`` (comma-separated
         addresses), ``run_id`` (the trial's job), ``queued``/``started``/``first_report``/``stopped``/``ended``
         (UTC timestamps: asked, its job started, rank 0's first report of the metric, the pruner's decision,
         every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback).

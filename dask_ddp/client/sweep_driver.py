@@ -6,8 +6,11 @@ their watcher threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`)
 
 1. take what the jobs posted: rank 0's reports of the metric go to the trial's
    :class:`~dask_ddp.client.search.Decider`; when Optuna's pruner answers "prune at step s", the trial's
-   job is cancelled (every rank's process is killed together, so no rank can be left waiting in a
-   collective) and the trial is PRUNED at ``s``: its reports after ``s`` do not count. A job's end frees
+   job is stopped (:meth:`Job.stop <dask_ddp.client.job.Job.stop>`: every rank stops at one agreed report,
+   the preemption protocol, saving what ``on_preemption`` registered; ranks that reach no report within
+   ``ddp.sweep.prune-grace`` seconds are killed together, so no rank is left waiting in a collective) and
+   the trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks
+   stopped. A job's end frees
    its workers (they are free only once every rank has stopped) and is told to Optuna;
 2. fill the free workers: ask Optuna for trials (a short line of them), pick which fits
    (:func:`~dask_ddp.client.placement.pick`), seat it (:func:`~dask_ddp.client.placement.place`) and
@@ -25,6 +28,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import dask
 
 from dask_ddp.client import dispatch
 from dask_ddp.client.cluster import scheduler_workers
@@ -190,7 +195,7 @@ class Driver:
                 rec.pruned_at, rec.stopped = step, time.time()
             logger.info("sweep %s: trial %d pruned at step %d (%s=%g)", self.spec.name, number, step,
                         self.spec.metric, value)
-            _quiet_cancel(self._jobs[number])
+            _quiet_stop(self._jobs[number], f"the sweep's pruner stopped trial {number} at step {step}")
 
     def _ended(self, number: int, job) -> None:
         """The trial's job has ended (every rank stopped): free its workers, tell Optuna, count a failure."""
@@ -200,6 +205,8 @@ class Driver:
         self._busy.difference_update(rec.workers)
         self._look_at = 0.0
         error = _job_error(job)
+        with self.cond:
+            rec.stopped_step = getattr(job, "stopped_step", None)
         if rec.pruned_at is not None:
             self._tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._end(rec, "PRUNED", value=rec.last)  # Optuna keeps the last intermediate value: the same
@@ -366,6 +373,15 @@ def _quiet_cancel(job) -> None:
         job.cancel(timeout=0)
     except Exception:  # noqa: BLE001 - the client may be closing: the job then ends on its own
         logger.warning("dask-ddp could not cancel job %s", getattr(job, "run_id", job), exc_info=True)
+
+
+def _quiet_stop(job, cause: str) -> None:
+    """Stop a pruned trial's ranks at one agreed step (cancelled together after ``ddp.sweep.prune-grace``)."""
+    try:
+        job.stop(cause, grace=float(dask.config.get("ddp.sweep.prune-grace", 5)))
+    except Exception:  # noqa: BLE001 - the client may be closing: the job then ends on its own
+        logger.warning("dask-ddp could not stop job %s", getattr(job, "run_id", job), exc_info=True)
+        _quiet_cancel(job)
 
 
 def _job_error(job) -> str | None:

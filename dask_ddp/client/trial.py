@@ -4,7 +4,7 @@ Runs in: the client. The sweep's driver thread writes a :class:`TrialRecord`; th
 :class:`~dask_ddp.client.sweep.Sweep` handle reads it (under the sweep's lock). A trial's states::
 
     QUEUED -> RUNNING -> COMPLETE    (the job finished; its value is the last report of the metric)
-                      -> PRUNED      (the pruner stopped it at ``pruned_at``: its job was cancelled)
+                      -> PRUNED      (the pruner stopped it at ``pruned_at``: every rank stopped at ``stopped_step``)
                       -> FAILED      (a rank raised, a worker left, a stall, the metric never reported)
            -> CANCELLED              (sweep.cancel(), the failure limit, or the client closed, before it ended)
 """
@@ -21,8 +21,8 @@ __all__ = ["TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS"]
 TRIAL_STATES = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "FAILED", "CANCELLED")
 TRIAL_ENDED = ("COMPLETE", "PRUNED", "FAILED", "CANCELLED")
 #: The columns of ``Sweep.results()`` but the parameters' (``params_<name>``, after ``state``)
-COLUMNS = ("trial", "state", "value", "last", "best", "steps", "last_step", "pruned_at", "ranks", "workers",
-           "run_id", "queued", "started", "first_report", "stopped", "ended", "duration", "error")
+COLUMNS = ("trial", "state", "value", "last", "best", "steps", "last_step", "pruned_at", "stopped_step",
+           "ranks", "workers", "run_id", "queued", "started", "first_report", "stopped", "ended", "duration", "error")
 
 
 @dataclass
@@ -41,6 +41,7 @@ class TrialRecord:
     best: float | None = None
     value: float | None = None  # what Optuna was told (COMPLETE) or kept (PRUNED: the last intermediate)
     pruned_at: int | None = None
+    stopped_step: int | None = None  # the step every rank stopped at (a pruned trial's agreed step)
     keys: set[str] = field(default_factory=set)  # every key any rank reported
     error: str | None = None  # the failure, with its traceback
     queued: float = field(default_factory=time.time)
@@ -68,7 +69,8 @@ class TrialRecord:
         duration = None if self.started is None or self.ended is None else self.ended - self.started
         return {"trial": self.number, "state": self.state, **{f"params_{k}": v for k, v in self.params.items()},
                 "value": self.value, "last": self.last, "best": self.best, "steps": self.steps,
-                "last_step": self.last_step, "pruned_at": self.pruned_at, "ranks": self.ranks,
+                "last_step": self.last_step, "pruned_at": self.pruned_at,
+                "stopped_step": self.stopped_step, "ranks": self.ranks,
                 "workers": ",".join(self.workers), "run_id": self.run_id, "queued": self.queued,
                 "started": self.started, "first_report": self.first_report, "stopped": self.stopped,
                 "ended": self.ended, "duration": duration, "error": self.error}
