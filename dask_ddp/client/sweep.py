@@ -8,9 +8,9 @@ the trials, each a :func:`dask_ddp.dispatch.run` job pinned to its own workers. 
             -> FAILED      (max_failures trials failed, or the driver failed; running trials were cancelled)
             -> CANCELLED   (sweep.cancel(), or the Dask client closed)
 
-Not yet: ``attach_sweep`` after a kernel restart (an Optuna storage given as ``storage=`` keeps the study
-and its trials, not the running sweep), resumable/promoted trials from checkpoints, the dashboard's and
-Prometheus's view of a sweep.
+With ``detach=True`` the driver runs in the scheduler's process instead and the sweep outlives the notebook;
+:func:`~dask_ddp.client.sweep_detach.attach_sweep` follows it from a new kernel
+(:mod:`dask_ddp.client.sweep_detach`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dask_ddp.client import dispatch, search
+from dask_ddp.client import dispatch, search, sweep_detach
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
@@ -43,7 +43,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
           mode: str = "min", scheduler: Any = "asha", sampler: Any = None, max_concurrent: int | None = None,
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
-          storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True) -> "Sweep":
+          storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True,
+          detach: bool = False) -> "Sweep":
     """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
     :class:`Sweep` at once.
 
@@ -102,6 +103,10 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         The sampler's seed.
     progress : bool
         Show a progress bar over the trials in :meth:`Sweep.wait`.
+    detach : bool
+        Run the sweep's driver in the scheduler's process: the sweep outlives this client (a kernel restart),
+        and :func:`dask_ddp.attach_sweep` follows it from any client by ``name``
+        (:mod:`dask_ddp.client.sweep_detach`). Without it, a client that closes or dies stops every trial.
 
     Raises
     ------
@@ -141,16 +146,17 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     ranks = _ranks_rule(ranks_per_trial, searched, fixed)
     workers = _check_workers(client, workers, max_workers, ranks_per_trial)
     name = name or f"{getattr(train_fn, '__name__', 'sweep').strip('<>')}-{uuid.uuid4().hex[:8]}"
-    study = optuna.create_study(storage=storage, study_name=name, direction="minimize" if mode == "min" else
-                                "maximize", sampler=search.make_sampler(sampler, searched, seed),
-                                pruner=search.make_pruner(scheduler))
+    study_kw = {"storage": storage, "study_name": name, "direction": "minimize" if mode == "min" else "maximize",
+                "sampler": search.make_sampler(sampler, searched, seed), "pruner": search.make_pruner(scheduler)}
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
                      metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
                      max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
                      progress=bool(progress))
-    handle = Sweep(client, spec, Driver(client, spec, study, searched))
-    handle._driver.start()
-    return handle
+    if detach:
+        if storage is not None:
+            optuna.create_study(**study_kw)  # refuses a name the storage holds already, here
+        return sweep_detach.launch(client, spec, searched, study_kw)
+    return Sweep(client, spec, Driver(client, spec, optuna.create_study(**study_kw), searched))._start()
 
 
 def _count(name: str, value, allow_none: bool = False):
@@ -230,9 +236,22 @@ class Sweep:
         RUNNING, FINISHED, FAILED or CANCELLED (see :mod:`dask_ddp.client.sweep`); ``cause`` says why it ended.
     """
 
-    def __init__(self, client: Client, spec: SweepSpec, driver: Driver) -> None:
+    def __init__(self, client: Client, spec: SweepSpec, driver: Any) -> None:
         self.client, self.spec, self._driver = client, spec, driver
-        self.name, self.study = spec.name, driver.study
+        self.name = spec.name
+
+    def _start(self) -> "Sweep":
+        self._driver.start()
+        return self
+
+    @property
+    def study(self) -> Any:
+        return self._driver.study
+
+    @property
+    def detached(self) -> bool:
+        """Whether the sweep's driver runs in the scheduler's process (``detach=True``, or :func:`attach_sweep`)."""
+        return bool(getattr(self._driver, "remote", False))
 
     @property
     def state(self) -> str:
@@ -267,6 +286,10 @@ class Sweep:
                 if bar:
                     bar.update()
         except KeyboardInterrupt as exc:
+            if self.detached:
+                exc.add_note(f"[dask-ddp] detached sweep {self.name} keeps running; "
+                             f"dask_ddp.attach_sweep(client, {self.name!r}).cancel() stops it")
+                raise
             self._driver.stop("CANCELLED", "interrupted (Ctrl-C) while waiting")
             exc.add_note(f"[dask-ddp] sweep {self.name} was cancelled: its trials stop within seconds")
             raise
