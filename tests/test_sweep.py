@@ -58,6 +58,26 @@ def train(lr, ranks, folder, steps=10, step_time=0.1):
     return ctx.rank
 
 
+def resumable(lr, folder, resume_from=None, steps=30, step_time=0.05):
+    """A trial that saves its state where its ranks agree to stop (on_preemption) and continues from a
+    checkpoint folder when the sweep gives one; each rank notes the first step it ran."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    state = dask_ddp.load_checkpoint(resume_from) if resume_from else None
+    state = state or {"w": 0.0, "step": -1}
+    with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}.first"), "w") as f:
+        f.write(f"{state['step'] + 1} {ctx.world_size}")
+    dask_ddp.on_preemption(lambda: dict(state))
+    for step in range(state["step"] + 1, state["step"] + 1 + steps):
+        t = torch.tensor([lr])
+        dist.all_reduce(t)
+        state["w"], state["step"] = state["w"] + t.item(), step
+        dask_ddp.report(loss=lr, step=step)
+        time.sleep(step_time)
+
+
 def raises_above(lr, limit=0.5):
     dask_ddp.report(loss=lr, step=0)
     if lr > limit:
@@ -174,6 +194,46 @@ def test_forty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     assert _intervals_overlap_per_worker(df) == []
     assert _most_busy(df) <= 4
     assert s.best["value"] == done["value"].min()
+    _clean(client4)
+
+
+def test_a_pruned_trial_saves_at_its_agreed_step_and_resumes_from_it_on_more_ranks(client4, tmp_path):
+    """Pause/resume through checkpoints: the pruned trial's ranks save at the step they agreed to stop at; a
+    resumed trial (PBT-style: another lr, 2 ranks instead of 1) continues from that step's checkpoint; the
+    finished sweep runs again for it. With exploit=True new trials start from the best trial's checkpoint."""
+    pruner = optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=2)
+    s = dask_ddp.sweep(client4, resumable, {"lr": {"low": 0.8, "high": 1.0}}, n_trials=1, metric="loss",
+                       scheduler=pruner, sampler="random", seed=0, kwargs={"folder": str(tmp_path)},
+                       run_options={"checkpoint_dir": str(tmp_path / "ckpt")}, progress=False)
+    try:
+        assert s.wait(120) and s.state == "FINISHED", (s.state, s.cause)
+        first = s.results().iloc[0]
+        assert first["state"] == "PRUNED" and first["pruned_at"] == 2 and first["stopped_step"] >= 2, first
+        assert dask_ddp.latest_checkpoint(first["checkpoint"]) is not None, first["checkpoint"]
+        with pytest.raises(ValueError, match="unknown_param|not a parameter"):
+            s.resume(0, params={"unknown_param": 1})
+        s.resume(0, ranks=2, params={"lr": 0.2})  # off the space: Optuna warns, and takes it
+        assert s.wait(120) and s.state == "FINISHED", (s.state, s.cause)
+    finally:
+        s.cancel()
+    df = s.results()
+    second = df.iloc[1]
+    assert len(df) == 2 and second["state"] == "COMPLETE" and second["resumed_from"] == 0, df
+    assert second["ranks"] == 2 and second["params_lr"] == 0.2 and second["checkpoint"] != first["checkpoint"]
+    starts = {(tmp_path / f"{second['run_id']}.{r}.first").read_text() for r in range(2)}
+    assert starts == {f"{first['stopped_step'] + 1} 2"}, starts  # both ranks from the step after the save
+    assert min(s.study.trials[1].intermediate_values) == first["stopped_step"] + 1
+    # PBT-style exploit: the later trials start from the best ended trial's checkpoint
+    e = dask_ddp.sweep(client4, resumable, {"lr": {"low": 0.0, "high": 0.4}}, n_trials=3, metric="loss",
+                       scheduler="none", max_concurrent=1, exploit=True, kwargs={"folder": str(tmp_path), "steps": 4},
+                       run_options={"checkpoint_dir": str(tmp_path / "ckpt")}, progress=False)
+    try:
+        assert e.wait(120) and e.state == "FINISHED", (e.state, e.cause)
+    finally:
+        e.cancel()
+    rows = e.results()
+    assert rows["resumed_from"].isna().iloc[0] and rows["resumed_from"].notna().iloc[1:].all(), rows
+    assert (rows["state"] == "COMPLETE").all() and rows["steps"].eq(4).all(), rows
     _clean(client4)
 
 

@@ -15,7 +15,6 @@ With ``detach=True`` the driver runs in the scheduler's process instead and the 
 
 from __future__ import annotations
 
-import inspect
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dask_ddp.client import dispatch, search, sweep_detach
+from dask_ddp.client import dispatch, search, sweep_detach, sweep_resume
+from dask_ddp.client import sweep_checks as checks
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
 from dask_ddp.observe.progress import SweepProgress
-from dask_ddp.wire.errors import PlanError
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -44,7 +43,7 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
           storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True,
-          detach: bool = False) -> "Sweep":
+          detach: bool = False, exploit: bool = False) -> "Sweep":
     """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
     :class:`Sweep` at once.
 
@@ -107,6 +106,10 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         Run the sweep's driver in the scheduler's process: the sweep outlives this client (a kernel restart),
         and :func:`dask_ddp.attach_sweep` follows it from any client by ``name``
         (:mod:`dask_ddp.client.sweep_detach`). Without it, a client that closes or dies stops every trial.
+    exploit : bool
+        PBT-style: every new trial starts from the checkpoint of the best ended trial so far, with the sampler's
+        new parameters (needs ``run_options={"checkpoint_dir": ...}`` and a ``train_fn`` that takes
+        ``resume_from``; see :mod:`dask_ddp.client.sweep_resume` and :meth:`Sweep.resume`).
 
     Raises
     ------
@@ -134,93 +137,36 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     kwargs = dict(kwargs or {})
     dispatch._check_pickles(train_fn, tuple(args), kwargs)  # the parameters are checked with each trial
     run_options = dict(run_options or {})
-    _check_names(searched, fixed, kwargs, run_options)
+    checks.check_names(searched, fixed, kwargs, run_options)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use 'min' or 'max'")
     if not isinstance(metric, str) or not metric:
         raise TypeError(f"metric={metric!r}: give the name of a key that train_fn reports")
-    n_trials = _count("n_trials", n_trials)
-    max_concurrent = _count("max_concurrent", max_concurrent, allow_none=True)
-    max_workers = _count("max_workers", max_workers, allow_none=True)
-    max_failures = _count("max_failures", max_failures, allow_none=True)
-    ranks = _ranks_rule(ranks_per_trial, searched, fixed)
-    workers = _check_workers(client, workers, max_workers, ranks_per_trial)
+    n_trials = checks.count("n_trials", n_trials)
+    max_concurrent = checks.count("max_concurrent", max_concurrent, allow_none=True)
+    max_workers = checks.count("max_workers", max_workers, allow_none=True)
+    max_failures = checks.count("max_failures", max_failures, allow_none=True)
+    ranks = checks.ranks_rule(ranks_per_trial, searched, fixed)
+    workers = checks.check_workers(client, workers, max_workers, ranks_per_trial)
+    resume_arg = sweep_resume.takes_resume(train_fn)
+    if resume_arg and "resume_from" in {**searched, **fixed, **kwargs}:
+        raise ValueError("resume_from is the sweep's argument (the checkpoint folder a trial starts from): keep it "
+                         "out of space and kwargs")
+    if exploit and not (resume_arg and run_options.get("checkpoint_dir")):
+        raise ValueError("exploit=True starts trials from other trials' checkpoints: pass run_options="
+                         "{'checkpoint_dir': url} and give train_fn a resume_from=None parameter")
     name = name or f"{getattr(train_fn, '__name__', 'sweep').strip('<>')}-{uuid.uuid4().hex[:8]}"
     study_kw = {"storage": storage, "study_name": name, "direction": "minimize" if mode == "min" else "maximize",
                 "sampler": search.make_sampler(sampler, searched, seed), "pruner": search.make_pruner(scheduler)}
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
                      metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
                      max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
-                     progress=bool(progress))
+                     progress=bool(progress), resume_arg=resume_arg, exploit=bool(exploit))
     if detach:
         if storage is not None:
             optuna.create_study(**study_kw)  # refuses a name the storage holds already, here
         return sweep_detach.launch(client, spec, searched, study_kw)
     return Sweep(client, spec, Driver(client, spec, optuna.create_study(**study_kw), searched))._start()
-
-
-def _count(name: str, value, allow_none: bool = False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name}={value!r}: expected an int >= 1" + (" or None" if allow_none else ""))
-    return value
-
-
-_RUN_KEYWORDS = [p.name for p in inspect.signature(dispatch.run).parameters.values()
-                 if p.kind == inspect.Parameter.KEYWORD_ONLY]
-_TAKEN = ("workers", "callbacks", "detach", "name", "progress")  # the sweep sets these for each trial
-
-
-def _check_names(searched: dict, fixed: dict, kwargs: dict, run_options: dict) -> None:
-    params = set(searched) | set(fixed)
-    for what, names in (("space parameter", params), ("kwargs key", set(kwargs))):
-        clash = sorted(names & set(_RUN_KEYWORDS))
-        if clash:
-            raise ValueError(f"{what} {', '.join(map(repr, clash))} is also a keyword of dispatch.run: rename it "
-                             "(run's own keywords go in run_options=)")
-    both = sorted(params & set(kwargs))
-    if both:
-        raise ValueError(f"{', '.join(map(repr, both))} is both in space and in kwargs: keep it in one")
-    unknown = sorted(set(run_options) - set(_RUN_KEYWORDS))
-    taken = sorted(set(run_options) & set(_TAKEN))
-    if unknown or taken:
-        raise ValueError(f"run_options: {', '.join(unknown + taken)} " + ("is not a keyword of dispatch.run" if
-                         unknown else "is set by the sweep for each trial") + f" (allowed: "
-                         f"{', '.join(k for k in _RUN_KEYWORDS if k not in _TAKEN)})")
-
-
-def _ranks_rule(ranks_per_trial, searched: dict, fixed: dict) -> Callable[[dict], int]:
-    if isinstance(ranks_per_trial, bool):
-        raise TypeError("ranks_per_trial: expected an int, a parameter name or a function of the parameters")
-    if isinstance(ranks_per_trial, int):
-        _count("ranks_per_trial", ranks_per_trial)
-        return lambda params: ranks_per_trial
-    if isinstance(ranks_per_trial, str):
-        if ranks_per_trial not in searched and ranks_per_trial not in fixed:
-            raise ValueError(f"ranks_per_trial={ranks_per_trial!r} names no parameter of space (it has "
-                             f"{', '.join(sorted({*searched, *fixed}))})")
-        return lambda params: params[ranks_per_trial]
-    if callable(ranks_per_trial):
-        return ranks_per_trial
-    raise TypeError(f"ranks_per_trial={ranks_per_trial!r}: expected an int, a parameter name or a function of "
-                    "the parameters")
-
-
-def _check_workers(client, workers, max_workers, ranks_per_trial) -> tuple[str, ...] | None:
-    """The ``workers=`` selection (as a tuple); with an int ``ranks_per_trial``, that it fits the workers the
-    sweep may use."""
-    if workers is not None and (isinstance(workers, str) or not all(isinstance(w, str) for w in workers)):
-        raise TypeError(f"workers={workers!r}: expected a list of worker addresses or names")
-    selected = tuple(workers) if workers is not None else None
-    if isinstance(ranks_per_trial, int):
-        n = len(dispatch._plan(client, list(selected) if selected is not None else None).ranks)
-        room = n if max_workers is None else min(n, max_workers)
-        if ranks_per_trial > room:
-            raise PlanError(f"ranks_per_trial={ranks_per_trial}, but the sweep may use only {room} workers (the "
-                            f"cluster has {n}{'' if selected is None else ' of those named in workers='}, "
-                            f"max_workers={max_workers}): lower ranks_per_trial or add workers")
-    return selected
 
 
 class Sweep:
@@ -304,6 +250,28 @@ class Sweep:
         if not self.done():
             self._driver.stop("CANCELLED", "sweep.cancel() was called")
         return self.wait(timeout, progress=False)
+
+    def resume(self, trial: int, *, ranks: int | None = None, params: dict | None = None) -> None:
+        """Run a new trial that continues ended trial ``trial`` from its last checkpoint (a pruned trial resumed,
+        a good one promoted), with its parameters updated by ``params`` (PBT-style), on ``ranks`` ranks (default
+        the same); it runs next, and does not count against ``n_trials``; a FINISHED sweep runs again for it.
+        ``train_fn`` gets the folder as ``resume_from`` (see :mod:`dask_ddp.client.sweep_resume`); the new
+        trial's ``resumed_from`` column names ``trial``.
+
+        Raises
+        ------
+        ValueError
+            No such ended trial; no ``checkpoint_dir`` in ``run_options``; unknown ``params``; the sweep was
+            cancelled or failed (or, detached, has ended).
+        TypeError
+            ``train_fn`` takes no ``resume_from``; bad ``ranks`` or ``params``.
+        """
+        with self._driver.cond:
+            sweep_resume.check(self.spec, self._driver.trials, trial, ranks, params)
+        if self.state in ("CANCELLED", "FAILED") or (self.detached and self.done()):
+            raise ValueError(f"sweep {self.name} is {self.state}: start a new sweep (sweep.results() has the "
+                             "checkpoint folders; pass one to train_fn yourself)")
+        self._driver.resume(trial, ranks, params)
 
     def results(self) -> pd.DataFrame:
         """One row per trial asked so far, by trial number: ``trial``, ``state``, ``params_<name>`` for each

@@ -141,6 +141,15 @@ def _stop(name: str, state: str, cause: str, dask_scheduler=None) -> bool:
     return True
 
 
+def _resume(name: str, number: int, ranks: int | None, params: dict | None, dask_scheduler=None) -> bool:
+    with _LOCK:
+        held = _HELD.get(name)
+    if held is None or held.driver is None or held.driver.state in ENDED:
+        return False
+    held.driver.resume(number, ranks, params)
+    return True
+
+
 # ---- the client's side ------------------------------------------------------------------------------------
 def launch(client, spec: SweepSpec, searched: dict, study_kw: dict) -> "Sweep":
     """Start ``spec`` with its driver in the scheduler's process; return a handle following it.
@@ -215,6 +224,17 @@ class RemoteDriver:
     def stop(self, state: str, cause: str) -> None:
         """Ask the driver in the scheduler's process to stop the sweep."""
         self.client.run_on_scheduler(_stop, self.name, state, cause)
+
+    def resume(self, number: int, ranks: int | None, params: dict | None) -> None:
+        """Ask the driver in the scheduler's process for a trial continuing trial ``number``.
+
+        Raises
+        ------
+        ValueError
+            The sweep has ended (a detached sweep's driver is gone once it ends).
+        """
+        if not self.client.run_on_scheduler(_resume, self.name, number, ranks, params):
+            raise ValueError(f"detached sweep {self.name} has ended: start a new sweep to continue trial {number}")
 
     def _follow(self) -> None:
         interval = dask.config.get("ddp.detached.poll-interval")

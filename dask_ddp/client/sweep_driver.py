@@ -26,16 +26,15 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import dask
 
-from dask_ddp.client import dispatch
+from dask_ddp.client import dispatch, sweep_resume
 from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
-from dask_ddp.client.trial import TrialRecord
+from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.events import RESERVED_KEYS
 
@@ -46,40 +45,6 @@ logger = logging.getLogger("dask_ddp")
 LINE = 2  # trials asked ahead of a free slot: a trial of another size may fit where the first does not
 PATIENCE = 4  # times the head of the line may be passed over before it holds the free workers for itself
 RECHECK = 1.0  # seconds between looks at the cluster while nothing ended (workers may have joined)
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    """What a sweep was started with (validated by :func:`dask_ddp.client.sweep.sweep`)."""
-
-    name: str
-    fn: Callable
-    args: tuple
-    kwargs: dict
-    fixed: dict
-    ranks: Callable[[dict], int]
-    metric: str
-    minimize: bool
-    n_trials: int
-    max_concurrent: int | None
-    max_workers: int | None
-    workers: tuple[str, ...] | None
-    max_failures: int | None
-    run_options: dict
-    progress: bool = True
-
-
-class TrialHooks:
-    """The callbacks of one trial's job: post every metric report and the job's end to the driver's inbox."""
-
-    def __init__(self, inbox: queue.Queue, number: int):
-        self.inbox, self.number = inbox, number
-
-    def on_metrics(self, item: dict) -> None:
-        self.inbox.put(("metric", self.number, item))
-
-    def on_finish(self, job) -> None:
-        self.inbox.put(("end", self.number, job))
 
 
 class Driver:
@@ -105,6 +70,16 @@ class Driver:
         self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{spec.name}", daemon=True)
 
     def start(self) -> None:
+        self._thread.start()
+
+    def resume(self, number: int, ranks: int | None, params: dict | None) -> None:
+        """Ask for a trial continuing trial ``number`` (from any thread); a FINISHED sweep runs again for it."""
+        self.inbox.put(("resume", number, (ranks, params)))
+        with self.cond:
+            if self.state != "FINISHED" or self._thread.is_alive():
+                return
+            self.state, self.cause = "RUNNING", f"trial {number} resumed"
+        self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{self.spec.name}", daemon=True)
         self._thread.start()
 
     def stop(self, state: str, cause: str) -> None:
@@ -174,6 +149,8 @@ class Driver:
                 self._metric(a, b)
             elif kind == "end":
                 self._ended(a, b)
+            elif kind == "resume":
+                sweep_resume.take(self, a, *b)
             elif self._stop is None:
                 self._begin_stop(a, b)
 
@@ -273,9 +250,10 @@ class Driver:
                        f"use only {room} workers now (max_workers={self.spec.max_workers}, "
                        f"workers={self.spec.workers}): add workers or lower ranks_per_trial")
 
-    def _ask(self) -> None:
+    def _ask(self, counted: bool = True) -> TrialRecord:
+        """Ask Optuna for a trial and put it in line (a resumed one is not ``counted`` against n_trials)."""
         trial = self.study.ask(self.searched)
-        self._asked += 1
+        self._asked += counted
         params = {**trial.params, **self.spec.fixed}
         rec = TrialRecord(trial.number, params, 0)
         self._optuna[trial.number] = trial
@@ -284,30 +262,36 @@ class Driver:
         try:
             rec.ranks = self.spec.ranks(params)
         except Exception:  # noqa: BLE001 - the user's ranks_per_trial: the trial fails, the sweep goes on
-            return self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial failed for trial "
-                              f"{trial.number} ({params}):\n{traceback.format_exc()}")
+            self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial failed for trial "
+                       f"{trial.number} ({params}):\n{traceback.format_exc()}")
+            return rec
         if isinstance(rec.ranks, bool) or not isinstance(rec.ranks, int) or rec.ranks < 1:
-            return self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial gave {rec.ranks!r} for "
-                              f"trial {trial.number} ({params}): expected a positive int")
+            self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial gave {rec.ranks!r} for "
+                       f"trial {trial.number} ({params}): expected a positive int")
+            return rec
         self._deciders[trial.number] = Decider(trial)
         self._line.append(trial.number)
+        return rec
 
     def _launch(self, number: int, addresses: list[str]) -> None:
         rec, spec = self.trials[number], self.spec
         with self.cond:
             rec.state, rec.workers, rec.started = "RUNNING", tuple(addresses), time.time()
+            if rec.resumed_from is None:
+                sweep_resume.exploit(self, rec)
         self._busy.update(addresses)
         try:
             job = dispatch.run(self.client, spec.fn, *spec.args, workers=list(addresses),
                                name=f"{spec.name}-trial{number}", callbacks=[TrialHooks(self.inbox, number)],
-                               progress=False, **spec.run_options, **spec.kwargs, **rec.params)
+                               progress=False, **spec.run_options, **spec.kwargs, **rec.params,
+                               **({"resume_from": rec.resume_from} if spec.resume_arg else {}))
         except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
             self._busy.difference_update(addresses)
             return self._fail(rec, self._optuna.pop(number), f"trial {number} could not start on "
                               f"{', '.join(addresses)}:\n{traceback.format_exc()}")
         self._jobs[number] = job
         with self.cond:
-            rec.run_id = job.run_id
+            rec.run_id, rec.checkpoint = job.run_id, job.checkpoint_dir
 
     # ---- ending --------------------------------------------------------------------------------------------
     def _tell(self, trial, value: float | None = None, state=None) -> None:
