@@ -60,7 +60,8 @@ __version__ = "0.1.0"
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
          "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
          "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "client.sweep",
-         "Sweep": "client.sweep", "attach_sweep": "client.sweep_detach", "SweepNotFound": "client.sweep_detach", "slurm_options": "client.slurm"}
+         "Sweep": "client.sweep", "attach_sweep": "client.sweep_detach",
+         "SweepNotFound": "client.sweep_detach", "slurm_options": "client.slurm"}
 
 
 if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
@@ -90,6 +91,7 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink", "DaskDDPWarning",
-    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "attach_sweep", "SweepNotFound", "slurm_options", "save_sharded", "load_sharded",
+    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "attach_sweep", "SweepNotFound",
+    "slurm_options", "save_sharded", "load_sharded",
     "wait_sharded", "ShardError", "device_mesh", "shard_model",
 ]

@@ -237,6 +237,77 @@ def test_a_pruned_trial_saves_at_its_agreed_step_and_resumes_from_it_on_more_ran
     _clean(client4)
 
 
+def _metrics_text(client) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(client.dashboard_link.rsplit("/", 1)[0] + "/metrics", timeout=60) as r:
+        return r.read().decode()
+
+
+def _sweep_samples(text: str, name: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("dask_ddp_sweep") and sample.labels.get("sweep") == name:
+                out[(sample.name, sample.labels.get("state"))] = sample.value
+    return out
+
+
+def test_the_dashboard_prometheus_and_mlflow_show_the_sweep(client4, tmp_path, monkeypatch):
+    """Seen: the scheduler's DDP state and page list the sweep's trials by state, /metrics exports them and the
+    slot occupancy while it runs; MLflow (a real file store) has one parent run and one child run per trial."""
+    mlflow = pytest.importorskip("mlflow", reason="MLflow is not installed: pip install 'dask-ddp[mlflow]'")
+    from dask_ddp.dashboard.page import sweeps_html
+    from dask_ddp.dashboard.plugin import NAME
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = (tmp_path / "mlruns").as_uri()
+    pruner = optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=1)
+    s = dask_ddp.sweep(client4, slow, {"lr": [0.2, 0.9, 0.3, 0.8]}, n_trials=4, metric="loss", sampler="grid",
+                       scheduler=pruner, max_concurrent=2, name="seen", kwargs={"folder": str(tmp_path)},
+                       mlflow=dask_ddp.MLflowSink(store, experiment="sweeps"), progress=False)
+    try:
+        got = wait_until(lambda: (m := _sweep_samples(_metrics_text(client4), "seen")).get(
+            ("dask_ddp_sweep_trials", "RUNNING"), 0) >= 1 and m, 120, what="the running sweep on /metrics")
+        assert got[("dask_ddp_sweep_workers", None)] == 4 and got[("dask_ddp_sweep_busy_workers", None)] >= 1, got
+        assert 0 < got[("dask_ddp_sweep_occupancy_ratio", None)] <= 1, got
+        assert s.wait(180) and s.state == "FINISHED", (s.state, s.cause)
+    finally:
+        s.cancel()
+    counts = s.counts()
+    assert counts["PRUNED"] == 2 and counts["COMPLETE"] == 2, counts
+
+    def seen():
+        return client4.run_on_scheduler(lambda dask_scheduler: dict(
+            dask_scheduler.plugins[NAME].state.sweeps.get("seen") or {}))
+    view = wait_until(lambda: seen().get("state") == "FINISHED" and seen(), 30, what="the sweep's end on the page")
+    assert view["trials"]["PRUNED"] == 2 and view["trials"]["COMPLETE"] == 2 and view["n_trials"] == 4, view
+    assert 0 < view["occupancy"] <= 1, view
+    page = sweeps_html([view])
+    assert "<td>seen</td><td>FINISHED</td>" in page and "<td>2</td>" in page, page
+    assert ("dask_ddp_sweep_trials", "PRUNED") not in _sweep_samples(_metrics_text(client4), "seen")  # ended
+
+    reader = mlflow.MlflowClient(tracking_uri=store)
+    runs = reader.search_runs([reader.get_experiment_by_name("sweeps").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.run_name == "seen" and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    children = {int(r.data.tags["dask_ddp.trial"]): r for r in runs if r is not parent}
+    assert sorted(children) == [0, 1, 2, 3]
+    df = s.results().set_index("trial")
+    for number, child in children.items():
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["dask_ddp.trial_state"] == df.loc[number, "state"]
+        assert float(child.data.params["lr"]) == df.loc[number, "params_lr"]
+        assert child.data.tags["dask_ddp.run_id"] == df.loc[number, "run_id"]
+        assert reader.get_metric_history(child.info.run_id, "loss/rank0"), number
+    best = reader.get_metric_history(parent.info.run_id, "best_value")
+    assert min(m.value for m in best) == s.best["value"]
+    _clean(client4)
+
+
 def test_failed_trials_are_recorded_with_their_traceback_and_the_sweep_goes_on(client4, tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'sweep.db'}"
     s = dask_ddp.sweep(client4, raises_above, {"lr": [0.1, 0.2, 0.7, 0.9]}, n_trials=4, metric="loss",

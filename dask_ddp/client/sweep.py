@@ -27,6 +27,7 @@ from dask_ddp.client import sweep_checks as checks
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
+from dask_ddp.observe.mlflow_sink import MLflowSink
 from dask_ddp.observe.progress import SweepProgress
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
           storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True,
-          detach: bool = False, exploit: bool = False) -> "Sweep":
+          detach: bool = False, exploit: bool = False, mlflow: Any = None) -> "Sweep":
     """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
     :class:`Sweep` at once.
 
@@ -110,6 +111,10 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         PBT-style: every new trial starts from the checkpoint of the best ended trial so far, with the sampler's
         new parameters (needs ``run_options={"checkpoint_dir": ...}`` and a ``train_fn`` that takes
         ``resume_from``; see :mod:`dask_ddp.client.sweep_resume` and :meth:`Sweep.resume`).
+    mlflow : MLflowSink
+        A :class:`dask_ddp.MLflowSink` as a template: the sweep gets a parent run in its tracking store and
+        experiment, each trial a child run under it with its parameters and metrics
+        (:mod:`dask_ddp.observe.mlflow_sweep`).
 
     Raises
     ------
@@ -149,6 +154,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     ranks = checks.ranks_rule(ranks_per_trial, searched, fixed)
     workers = checks.check_workers(client, workers, max_workers, ranks_per_trial)
     resume_arg = sweep_resume.takes_resume(train_fn)
+    if mlflow is not None and not isinstance(mlflow, MLflowSink):
+        raise TypeError(f"mlflow={mlflow!r}: give a dask_ddp.MLflowSink (its tracking store and experiment)")
     if resume_arg and "resume_from" in {**searched, **fixed, **kwargs}:
         raise ValueError("resume_from is the sweep's argument (the checkpoint folder a trial starts from): keep it "
                          "out of space and kwargs")
@@ -161,7 +168,7 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
                      metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
                      max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
-                     progress=bool(progress), resume_arg=resume_arg, exploit=bool(exploit))
+                     progress=bool(progress), resume_arg=resume_arg, exploit=bool(exploit), mlflow=mlflow)
     if detach:
         if storage is not None:
             optuna.create_study(**study_kw)  # refuses a name the storage holds already, here

@@ -34,6 +34,7 @@ from dask_ddp.client import dispatch, sweep_resume
 from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
+from dask_ddp.client.sweep_view import SweepView
 from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.events import RESERVED_KEYS
@@ -68,6 +69,7 @@ class Driver:
         self._stop: str | None = None  # the sweep's end state once it is stopping
         self._look_at = 0.0  # monotonic time of the next look at the cluster
         self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{spec.name}", daemon=True)
+        self.view = SweepView(self)  # the dashboard's and MLflow's view
 
     def start(self) -> None:
         self._thread.start()
@@ -90,6 +92,8 @@ class Driver:
     def run(self) -> None:
         """Step until the sweep has ended; a bug here still stops every trial and ends the sweep."""
         try:
+            if self.view.mlflow is not None and self.view.mlflow.parent is None:  # not again when resumed
+                self.view.begin()
             while not self.step():
                 pass
         except Exception as exc:  # noqa: BLE001 - never leave trials running unseen
@@ -128,6 +132,7 @@ class Driver:
                 return True
             return False
         self._fill()
+        self.view.tick()
         if (self._asked >= self.spec.n_trials or self.exhausted) and not self._line and not self._jobs:
             self._finish("FINISHED", f"all {self._asked} trials ended" + (" (the grid is walked)" if
                                                                           self.exhausted else ""))
@@ -215,6 +220,7 @@ class Driver:
                 return
             eligible = self._eligible()
             room = len(eligible) if self.spec.max_workers is None else min(len(eligible), self.spec.max_workers)
+            self.view.room = room
             self._fail_oversized(room)
             free = [w for w in eligible if w.address not in self._busy]
             if self.spec.max_workers is not None:
@@ -282,7 +288,8 @@ class Driver:
         self._busy.update(addresses)
         try:
             job = dispatch.run(self.client, spec.fn, *spec.args, workers=list(addresses),
-                               name=f"{spec.name}-trial{number}", callbacks=[TrialHooks(self.inbox, number)],
+                               name=f"{spec.name}-trial{number}", callbacks=[*self.view.callbacks(number, rec.params),
+                                                                    TrialHooks(self.inbox, number)],
                                progress=False, **spec.run_options, **spec.kwargs, **rec.params,
                                **({"resume_from": rec.resume_from} if spec.resume_arg else {}))
         except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
@@ -327,6 +334,7 @@ class Driver:
             rec.value = value
             rec.end(state, error)
             self.cond.notify_all()
+        self.view.ended(rec)
 
     def _begin_stop(self, state: str, cause: str) -> None:
         self._stop, self.cause = state, cause
@@ -339,6 +347,7 @@ class Driver:
             _quiet_cancel(job)
 
     def _finish(self, state: str, cause: str) -> None:
+        self.view.finish(state)
         with self.cond:
             self.state, self.cause = state, cause
             self.cond.notify_all()
