@@ -60,7 +60,7 @@ __version__ = "0.1.0"
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
          "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
          "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "client.sweep",
-         "Sweep": "client.sweep", "attach_sweep": "client.sweep_detach",
+         "Sweep": "client.sweep", "attach_sweep": "client.sweep",
          "SweepNotFound": "client.sweep_detach", "slurm_options": "client.slurm"}
 
 
@@ -68,8 +68,8 @@ if TYPE_CHECKING:  # what a type checker and an editor see; at run time they com
     from dask_ddp import checkpoint, compat, dispatch  # noqa: F401 - public modules, not in __all__
     from dask_ddp.client.detach import DetachedJobNotFound, attach
     from dask_ddp.client.job import Job
-    from dask_ddp.client.sweep import Sweep, sweep
-    from dask_ddp.client.sweep_detach import SweepNotFound, attach_sweep
+    from dask_ddp.client.sweep import Sweep, attach_sweep, sweep
+    from dask_ddp.client.sweep_detach import SweepNotFound
     from dask_ddp.data.image_folder import ImageDecodeError, S3ImageFolder
     from dask_ddp.observe.mlflow_sink import MLflowSink
 

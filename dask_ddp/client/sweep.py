@@ -9,7 +9,7 @@ the trials, each a :func:`dask_ddp.dispatch.run` job pinned to its own workers. 
             -> CANCELLED   (sweep.cancel(), or the Dask client closed)
 
 With ``detach=True`` the driver runs in the scheduler's process instead and the sweep outlives the notebook;
-:func:`~dask_ddp.client.sweep_detach.attach_sweep` follows it from a new kernel
+:func:`attach_sweep` follows it from a new kernel
 (:mod:`dask_ddp.client.sweep_detach`).
 """
 
@@ -33,7 +33,7 @@ from dask_ddp.observe.progress import SweepProgress
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["sweep", "Sweep"]
+__all__ = ["sweep", "Sweep", "attach_sweep"]
 
 MODES = ("min", "max")
 SWEEP_ENDED = ("FINISHED", "FAILED", "CANCELLED")
@@ -172,8 +172,28 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     if detach:
         if storage is not None:
             optuna.create_study(**study_kw)  # refuses a name the storage holds already, here
-        return sweep_detach.launch(client, spec, searched, study_kw)
+        return Sweep(client, spec, sweep_detach.launch(client, spec, searched, study_kw))._start()
     return Sweep(client, spec, Driver(client, spec, optuna.create_study(**study_kw), searched))._start()
+
+
+def attach_sweep(client: Client, name: str, *, progress: bool | None = None) -> "Sweep":
+    """Follow a detached sweep (``sweep(..., detach=True)``) by its name, from any client of its cluster (a
+    new kernel): ``results()`` shows every trial it has asked, ``wait()`` follows it, ``cancel()`` stops it,
+    ``resume()`` continues a trial while it runs (:mod:`dask_ddp.client.sweep_detach`).
+
+    ``progress`` defaults to the sweep's own setting.
+
+    Raises
+    ------
+    SweepNotFound
+        The scheduler knows no detached sweep of that name (it restarted, the sweep ended more than
+        ``ddp.detached.keep`` sweeps ago, or the sweep was not detached: a sweep started without
+        ``detach=True`` ends with its notebook).
+    ClientClosedError
+        The client is not connected.
+    """
+    spec, driver = sweep_detach.find(client, name, progress)
+    return Sweep(client, spec, driver)._start()
 
 
 class Sweep:

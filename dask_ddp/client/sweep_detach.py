@@ -1,9 +1,9 @@
 """Detached sweeps: ``sweep(..., detach=True)`` runs the sweep's driver in the scheduler's process, so that the
-sweep outlives the notebook; :func:`attach_sweep` finds it again from any client (a new kernel).
+sweep outlives the notebook; :func:`dask_ddp.attach_sweep` finds it again from any client (a new kernel).
 
 Runs in: the scheduler's process (the driver's thread and :func:`_start`, :func:`_find`, :func:`_snapshot`,
 :func:`_stop`, called through ``client.run_on_scheduler``) and the client (:func:`launch`,
-:func:`attach_sweep`, :class:`RemoteDriver`).
+:func:`find`, :class:`RemoteDriver`; :func:`dask_ddp.attach_sweep` is in :mod:`dask_ddp.client.sweep`).
 
 A sweep's state is its driver's: the Optuna study (every trial's parameters, intermediate values and end, in
 the study's ``storage``: in memory in the process that holds the driver unless a URL is given), the trials'
@@ -26,7 +26,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 import dask
@@ -36,12 +36,7 @@ from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import TrialRecord
 from dask_ddp.wire.errors import DaskDDPError
 
-if TYPE_CHECKING:
-    from distributed import Client
-
-    from dask_ddp.client.sweep import Sweep
-
-__all__ = ["launch", "attach_sweep", "RemoteDriver", "SweepNotFound"]
+__all__ = ["launch", "find", "RemoteDriver", "SweepNotFound"]
 
 ENDED = ("FINISHED", "FAILED", "CANCELLED")
 
@@ -151,37 +146,28 @@ def _resume(name: str, number: int, ranks: int | None, params: dict | None, dask
 
 
 # ---- the client's side ------------------------------------------------------------------------------------
-def launch(client, spec: SweepSpec, searched: dict, study_kw: dict) -> "Sweep":
-    """Start ``spec`` with its driver in the scheduler's process; return a handle following it.
+def launch(client, spec: SweepSpec, searched: dict, study_kw: dict) -> RemoteDriver:
+    """Start ``spec`` with its driver in the scheduler's process; return a driver following it.
 
     Raises
     ------
     ValueError
         A detached sweep of that name runs on the cluster already.
     """
-    from dask_ddp.client.sweep import Sweep
-
     client.run_on_scheduler(_start, cloudpickle.dumps((spec, searched, study_kw)))
-    return Sweep(client, spec, RemoteDriver(client, spec.name, study_kw["storage"]))._start()
+    return RemoteDriver(client, spec.name, study_kw["storage"])
 
 
-def attach_sweep(client: Client, name: str, *, progress: bool | None = None) -> "Sweep":
-    """Follow a detached sweep (``sweep(..., detach=True)``) by its name, from any client of its cluster (a
-    new kernel): ``results()`` shows every trial it has asked, ``wait()`` follows it, ``cancel()`` stops it.
-
-    ``progress`` defaults to the sweep's own setting.
+def find(client, name: str, progress: bool | None = None) -> tuple[SweepSpec, RemoteDriver]:
+    """The spec of detached sweep ``name`` and a driver following it.
 
     Raises
     ------
     SweepNotFound
-        The scheduler knows no detached sweep of that name (it restarted, the sweep ended more than
-        ``ddp.detached.keep`` sweeps ago, or the sweep was not detached: a sweep started without
-        ``detach=True`` ends with its notebook).
+        The scheduler knows no detached sweep of that name.
     ClientClosedError
         The client is not connected.
     """
-    from dask_ddp.client.sweep import Sweep
-
     check_client(client)
     found = client.run_on_scheduler(_find, name)
     if found is None:
@@ -191,7 +177,7 @@ def attach_sweep(client: Client, name: str, *, progress: bool | None = None) -> 
     spec = cloudpickle.loads(blob)
     if progress is not None:
         spec = dataclasses.replace(spec, progress=bool(progress))
-    return Sweep(client, spec, RemoteDriver(client, name, storage))._start()
+    return spec, RemoteDriver(client, name, storage)
 
 
 class RemoteDriver:

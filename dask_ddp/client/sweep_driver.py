@@ -286,12 +286,12 @@ class Driver:
             if rec.resumed_from is None:
                 sweep_resume.exploit(self, rec)
         self._busy.update(addresses)
+        extra: dict[str, Any] = {"resume_from": rec.resume_from} if spec.resume_arg else {}
         try:
             job = dispatch.run(self.client, spec.fn, *spec.args, workers=list(addresses),
                                name=f"{spec.name}-trial{number}", callbacks=[*self.view.callbacks(number, rec.params),
                                                                     TrialHooks(self.inbox, number)],
-                               progress=False, **spec.run_options, **spec.kwargs, **rec.params,
-                               **({"resume_from": rec.resume_from} if spec.resume_arg else {}))
+                               progress=False, **spec.run_options, **spec.kwargs, **rec.params, **extra)
         except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
             self._busy.difference_update(addresses)
             return self._fail(rec, self._optuna.pop(number), f"trial {number} could not start on "

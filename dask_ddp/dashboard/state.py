@@ -125,7 +125,8 @@ class DashboardState:
         name, at = msg.get("sweep"), float(msg.get("time") or time.time())
         if not isinstance(name, str) or at < self.sweeps.get(name, {}).get("time", 0.0):
             return False
-        trials = msg.get("trials") if isinstance(msg.get("trials"), dict) else {}
+        got = msg.get("trials")
+        trials: dict = got if isinstance(got, dict) else {}
         self.sweeps[name] = {"sweep": name, "state": str(msg.get("state") or "RUNNING"), "time": at,
                              "n_trials": int(msg.get("n_trials") or 0), "busy": int(msg.get("busy") or 0),
                              "room": int(msg.get("room") or 0), "occupancy": msg.get("occupancy"),
