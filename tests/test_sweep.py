@@ -237,6 +237,20 @@ def test_a_pruned_trial_saves_at_its_agreed_step_and_resumes_from_it_on_more_ran
     _clean(client4)
 
 
+def test_job_stop_cancels_ranks_that_reach_no_report_within_the_grace(client4):
+    """Job.stop's fallback (a pruned trial whose ranks report no more): after ``grace`` s they are killed
+    together, the job ends CANCELLED without a stopped step."""
+    job = dask_ddp.dispatch.run(client4, hangs, 0.1, progress=False)
+    try:
+        wait_until(lambda: not job.metrics.empty, 120, what="the job's first report")
+        job.stop("a test", grace=1.0)
+        assert job.wait(60, progress=False)
+    finally:
+        job.cancel()
+    assert job.state == "CANCELLED" and job.stopped_step is None, job.history
+    _clean(client4)
+
+
 def _metrics_text(client) -> str:
     import urllib.request
 
