@@ -31,6 +31,7 @@ from dask_ddp.wire.errors import PlanError, SerializationError
 from dask_ddp.wire.plan import WorkerInfo
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+STEPS = 40  # of each trial of the 40-trial test: a stop decided at an early rung reaches its ranks before the end
 
 
 # ---- what the trials run (in the rank processes) ------------------------------------------------------------
@@ -157,7 +158,7 @@ def test_forty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2)
     s = dask_ddp.sweep(client4, train, {"lr": {"low": 0.0, "high": 1.0}, "ranks": [1, 2]}, n_trials=40,
                        metric="loss", ranks_per_trial="ranks", scheduler=pruner, seed=1,
-                       kwargs={"folder": str(tmp_path), "steps": 30, "step_time": 0.05})
+                       kwargs={"folder": str(tmp_path), "steps": STEPS, "step_time": 0.05})
     try:
         assert s.wait(400), f"the sweep did not end: {s!r}"
     finally:
@@ -174,22 +175,25 @@ def test_forty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     assert {"params_lr", "params_ranks", "value", "last", "best", "steps", "started", "ended", "duration",
             "run_id"} <= set(df.columns)
     assert df[["started", "ended", "run_id", "last", "best", "value"]].notna().all().all(), df
-    # a pruned trial counts its reports up to the decision's step, a complete one all thirty
+    # a pruned trial counts its reports up to the decision's step, a complete one all of them
     pruned, done = df[df["state"] == "PRUNED"], df[df["state"] == "COMPLETE"]
-    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < 29).all(), pruned
-    assert (done["steps"] == 30).all() and (done["value"] == done["last"]).all(), done
+    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < STEPS - 1).all(), pruned
+    assert (done["steps"] == STEPS).all() and (done["value"] == done["last"]).all(), done
     # Optuna was told the same ends
     told = {t.number: t.state.name for t in s.study.trials}
     assert told == dict(zip(df["trial"], df["state"])), told
-    # every rank of every pruned trial ran, stopped at one step (the agreed one, at or after the decision's),
-    # and its process is gone
-    assert pruned["stopped_step"].notna().all(), pruned[["trial", "pruned_at", "stopped_step"]]
+    # every rank of every pruned trial ran, stopped at one step (the agreed one, at or after the decision's;
+    # or, when the stop reached it after its last step, all ran to the end), and its process is gone
+    stopped = pruned["stopped_step"].notna()
+    assert stopped.any(), pruned[["trial", "pruned_at", "stopped_step"]]
+    print(f"{stopped.sum()} of {len(pruned)} pruned trials stopped at an agreed step (the others had ended first)")
     for row in pruned.itertuples():
         pids = [int((tmp_path / f"{row.run_id}.{r}").read_text()) for r in range(row.ranks)]
         alive = [p for p in pids if not _gone(p)]
         assert not alive, f"trial {row.trial} pruned at {row.pruned_at}: ranks still alive {alive}"
         last = {int((tmp_path / f"{row.run_id}.{r}.last").read_text()) for r in range(row.ranks)}
-        assert last == {row.stopped_step} and row.stopped_step >= row.pruned_at, (row, last)
+        at = STEPS - 1 if pd.isna(row.stopped_step) else row.stopped_step
+        assert last == {at} and at >= row.pruned_at, (row, last)
     # gang placement: a worker serves one trial at a time, never more than the cluster at once
     assert _intervals_overlap_per_worker(df) == []
     assert _most_busy(df) <= 4
@@ -202,7 +206,8 @@ def test_a_pruned_trial_saves_at_its_agreed_step_and_resumes_from_it_on_more_ran
     resumed trial (PBT-style: another lr, 2 ranks instead of 1) continues from that step's checkpoint; the
     finished sweep runs again for it. With exploit=True new trials start from the best trial's checkpoint."""
     pruner = optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=2)
-    s = dask_ddp.sweep(client4, resumable, {"lr": {"low": 0.8, "high": 1.0}}, n_trials=1, metric="loss",
+    # 400 steps: the stop reaches the ranks long before their end, however loaded the machine
+    s = dask_ddp.sweep(client4, resumable, {"lr": {"low": 0.8, "high": 1.0}, "steps": 400}, n_trials=1, metric="loss",
                        scheduler=pruner, sampler="random", seed=0, kwargs={"folder": str(tmp_path)},
                        run_options={"checkpoint_dir": str(tmp_path / "ckpt")}, progress=False)
     try:
@@ -212,7 +217,7 @@ def test_a_pruned_trial_saves_at_its_agreed_step_and_resumes_from_it_on_more_ran
         assert dask_ddp.latest_checkpoint(first["checkpoint"]) is not None, first["checkpoint"]
         with pytest.raises(ValueError, match="unknown_param|not a parameter"):
             s.resume(0, params={"unknown_param": 1})
-        s.resume(0, ranks=2, params={"lr": 0.2})  # off the space: Optuna warns, and takes it
+        s.resume(0, ranks=2, params={"lr": 0.2, "steps": 10})  # lr off the space: Optuna warns, and takes it
         assert s.wait(120) and s.state == "FINISHED", (s.state, s.cause)
     finally:
         s.cancel()
