@@ -1,9 +1,15 @@
-"""Sweep overhead: 100 trivial trials (1 rank, a 0.1 s function) on 2 workers, beside Optuna alone; then
-slot occupancy and stop turnover over 40 mixed 1- and 2-rank DDP trials with ASHA on 4 workers.
+"""Sweep overhead: 200 trivial trials (1 rank, a 0.1 s function) on 2 workers, beside Optuna alone and Ray Tune;
+then slot occupancy and stop turnover over 40 mixed 1- and 2-rank DDP trials with ASHA on 4 workers.
 
 Usage::
 
-    python benchmarks/bench_sweep.py [--trials 100] [--work 0.1] [--mixed 40] [--out benchmarks/RESULTS_sweep.md]
+    python benchmarks/bench_sweep.py [--trials 200] [--work 0.1] [--mixed 40] [--out benchmarks/RESULTS_sweep.md]
+                                     [--ray-python /work/bench-venv-ray/bin/python]
+
+Ray Tune runs in a subprocess with ``--ray-python``, the interpreter of a virtual environment that has
+``ray[tune]`` (``benchmarks/bench_sweep_ray.py`` says how to make it; Ray is no dependency of dask-ddp), twice:
+with Tune's defaults (a new trial actor per trial) and with ``reuse_actors=True``; skipped when that interpreter
+is missing.
 
 Ours: ``dask_ddp.sweep`` on a LocalCluster of 2 worker processes (zygotes warmed first, as
 ``dispatch.warm_up`` does), random sampler, no pruning; each trial is a DDP job of 1 rank that sleeps
@@ -25,9 +31,12 @@ first report of the next trial on one of its workers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -130,6 +139,21 @@ def optuna_alone(trials: int, work: float) -> dict:
     return {"wall": time.perf_counter() - t}
 
 
+def ray_tune(python: str, trials: int, work: float, reuse: bool) -> dict | None:
+    """Ray Tune's wall time for the same trials (``bench_sweep_ray.py`` under ``python``); None without it."""
+    if not os.path.exists(python):
+        return None
+    script = Path(__file__).with_name("bench_sweep_ray.py")
+    cmd = [python, str(script), "--trials", str(trials), "--work", str(work), "--slots", str(WORKERS)]
+    out = subprocess.run(cmd + (["--reuse-actors"] if reuse else []), capture_output=True, text=True, timeout=3600,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
+    if out.returncode or line is None:
+        print(f"Ray Tune failed ({out.returncode}):\n{out.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(line)
+
+
 def _p95(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
@@ -137,15 +161,17 @@ def _p95(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--work", type=float, default=0.1)
     parser.add_argument("--mixed", type=int, default=40)
     parser.add_argument("--out", default="benchmarks/RESULTS_sweep.md")
+    parser.add_argument("--ray-python", default="/work/bench-venv-ray/bin/python")
     args = parser.parse_args()
     ideal = args.trials * args.work / WORKERS
     load = os.getloadavg()
     alone = optuna_alone(args.trials, args.work)
     mine = ours(args.trials, args.work)
+    rays = {reuse: ray_tune(args.ray_python, args.trials, args.work, reuse) for reuse in (False, True)}
     mix = mixed(args.mixed) if args.mixed else None
 
     def per_trial(wall: float) -> float:
@@ -157,12 +183,18 @@ def main() -> None:
         f"({platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} cores), "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average before the run "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}. {args.trials} trials of a {args.work} s function on "
-        f"{WORKERS} slots (ideal wall {ideal:.1f} s). Goal (issue 29): overhead per trial <= 0.2 s.", "",
+        f"{WORKERS} slots (ideal wall {ideal:.1f} s), the three one after another in this run. Goal (issue 29): "
+        "overhead per trial <= 0.2 s and <= 0.5x Ray Tune's.", "",
         "| | wall s | overhead per trial s | turnover on a worker, median / p95 s | slots inside a trial's job |",
         "|---|---:|---:|---:|---:|",
         f"| dask_ddp.sweep (1-rank DDP job a trial) | {mine['wall']:.1f} | {per_trial(mine['wall']):.3f} | "
         f"{mine['gap_median']:.3f} / {mine['gap_p95']:.3f} | {mine['occupancy']:.0%} |",
         f"| Optuna alone, in-process, n_jobs=2 | {alone['wall']:.1f} | {per_trial(alone['wall']):.3f} | | |",
+        *(f"| Ray Tune {r['ray']} local, {'reuse_actors=True' if reuse else 'defaults'} | {r['wall']:.1f} | "
+          f"{per_trial(r['wall']):.3f} | | |" for reuse, r in rays.items() if r),
+        "", "Ours over Ray Tune's overhead per trial: " + (", ".join(
+            f"{per_trial(mine['wall']) / per_trial(r['wall']):.2f}x ({'reuse_actors' if reuse else 'defaults'})"
+            for reuse, r in rays.items() if r) or "Ray Tune not run (no --ray-python interpreter)") + ".",
         "", f"A trial's job, start to end (median): {mine['job_median']:.3f} s for {args.work} s of work. The "
         "sweep's own bookkeeping between trials is the turnover column; the rest of the overhead is the job's "
         f"start and end: a lone 1-rank job run back to back takes {mine['to_start']:.3f} s from run() to the "

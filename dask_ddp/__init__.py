@@ -60,13 +60,16 @@ __version__ = "0.1.0"
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
          "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
          "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "client.sweep",
-         "Sweep": "client.sweep", "slurm_options": "client.slurm"}
+         "Sweep": "client.sweep", "attach_sweep": "client.sweep",
+         "SweepNotFound": "client.sweep_detach", "slurm_options": "client.slurm"}
 
 
 if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
     from dask_ddp import checkpoint, compat, dispatch  # noqa: F401 - public modules, not in __all__
     from dask_ddp.client.detach import DetachedJobNotFound, attach
     from dask_ddp.client.job import Job
+    from dask_ddp.client.sweep import Sweep, attach_sweep, sweep
+    from dask_ddp.client.sweep_detach import SweepNotFound
     from dask_ddp.data.image_folder import ImageDecodeError, S3ImageFolder
     from dask_ddp.observe.mlflow_sink import MLflowSink
 
@@ -88,6 +91,7 @@ __all__ = [
     "StallError", "JobCancelledError", "RendezvousError", "NotInRankError", "ClientClosedError",
     "CheckpointError", "ImageDecodeError", "JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics", "timed",
     "MLflowSink", "DaskDDPWarning",
-    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "slurm_options", "save_sharded", "load_sharded",
+    "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "attach_sweep", "SweepNotFound",
+    "slurm_options", "save_sharded", "load_sharded",
     "wait_sharded", "ShardError", "device_mesh", "shard_model",
 ]

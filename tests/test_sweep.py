@@ -31,6 +31,7 @@ from dask_ddp.wire.errors import PlanError, SerializationError
 from dask_ddp.wire.plan import WorkerInfo
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+STEPS = 40  # of each trial of the 40-trial test: a stop decided at an early rung reaches its ranks before the end
 
 
 # ---- what the trials run (in the rank processes) ------------------------------------------------------------
@@ -44,12 +45,38 @@ def train(lr, ranks, folder, steps=10, step_time=0.1):
     assert ctx.world_size == ranks, (ctx.world_size, ranks)
     with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}"), "w") as f:
         f.write(str(os.getpid()))
-    for step in range(steps):
-        t = torch.tensor([(lr - 0.3) ** 2 + 1.0 / (step + 1)])
-        dist.all_reduce(t)
-        dask_ddp.report(loss=t.item() / ctx.world_size, step=step)
-        time.sleep(step_time)
+    done = -1
+    try:
+        for step in range(steps):
+            t = torch.tensor([(lr - 0.3) ** 2 + 1.0 / (step + 1)])
+            dist.all_reduce(t)
+            dask_ddp.report(loss=t.item() / ctx.world_size, step=step)
+            done = step  # the last step whose report returned
+            time.sleep(step_time)
+    finally:  # a pruned trial's ranks stop in a report: each says at which step
+        with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}.last"), "w") as f:
+            f.write(str(done))
     return ctx.rank
+
+
+def resumable(lr, folder, resume_from=None, steps=30, step_time=0.05):
+    """A trial that saves its state where its ranks agree to stop (on_preemption) and continues from a
+    checkpoint folder when the sweep gives one; each rank notes the first step it ran."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = dask_ddp.get_context()
+    state = dask_ddp.load_checkpoint(resume_from) if resume_from else None
+    state = state or {"w": 0.0, "step": -1}
+    with open(os.path.join(folder, f"{ctx.run_id}.{ctx.rank}.first"), "w") as f:
+        f.write(f"{state['step'] + 1} {ctx.world_size}")
+    dask_ddp.on_preemption(lambda: dict(state))
+    for step in range(state["step"] + 1, state["step"] + 1 + steps):
+        t = torch.tensor([lr])
+        dist.all_reduce(t)
+        state["w"], state["step"] = state["w"] + t.item(), step
+        dask_ddp.report(loss=lr, step=step)
+        time.sleep(step_time)
 
 
 def raises_above(lr, limit=0.5):
@@ -127,18 +154,18 @@ def _most_busy(df: pd.DataFrame) -> int:
 
 
 # ---- on the cluster -----------------------------------------------------------------------------------------
-def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
+def test_forty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2)
-    s = dask_ddp.sweep(client4, train, {"lr": {"low": 0.0, "high": 1.0}, "ranks": [1, 2]}, n_trials=20,
+    s = dask_ddp.sweep(client4, train, {"lr": {"low": 0.0, "high": 1.0}, "ranks": [1, 2]}, n_trials=40,
                        metric="loss", ranks_per_trial="ranks", scheduler=pruner, seed=1,
-                       kwargs={"folder": str(tmp_path)})
+                       kwargs={"folder": str(tmp_path), "steps": STEPS, "step_time": 0.05})
     try:
-        assert s.wait(240), f"the sweep did not end: {s!r}"
+        assert s.wait(400), f"the sweep did not end: {s!r}"
     finally:
         s.cancel()
     df = s.results()
     assert s.state == "FINISHED", (s.state, s.cause)
-    assert len(df) == 20 and set(df["state"]) <= set(TRIAL_ENDED), df[["trial", "state", "error"]]
+    assert len(df) == 40 and set(df["state"]) <= set(TRIAL_ENDED), df[["trial", "state", "error"]]
     counts = df["state"].value_counts().to_dict()
     # asynchronous successive halving promotes the first trial to reach a rung (so one trial at least
     # completes) and then only the top half at each rung: how many complete depends on the order trials end
@@ -148,22 +175,155 @@ def test_twenty_trials_of_one_and_two_ranks_with_asha(client4, tmp_path):
     assert {"params_lr", "params_ranks", "value", "last", "best", "steps", "started", "ended", "duration",
             "run_id"} <= set(df.columns)
     assert df[["started", "ended", "run_id", "last", "best", "value"]].notna().all().all(), df
-    # a pruned trial counts its reports up to the decision's step, a complete one all ten
+    # a pruned trial counts its reports up to the decision's step, a complete one all of them
     pruned, done = df[df["state"] == "PRUNED"], df[df["state"] == "COMPLETE"]
-    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < 9).all(), pruned
-    assert (done["steps"] == 10).all() and (done["value"] == done["last"]).all(), done
+    assert (pruned["last_step"] == pruned["pruned_at"]).all() and (pruned["pruned_at"] < STEPS - 1).all(), pruned
+    assert (done["steps"] == STEPS).all() and (done["value"] == done["last"]).all(), done
     # Optuna was told the same ends
     told = {t.number: t.state.name for t in s.study.trials}
     assert told == dict(zip(df["trial"], df["state"])), told
-    # every rank of every pruned trial ran, and its process is gone
+    # every rank of every pruned trial ran, stopped at one step (the agreed one, at or after the decision's;
+    # or, when the stop reached it after its last step, all ran to the end), and its process is gone
+    stopped = pruned["stopped_step"].notna()
+    assert stopped.any(), pruned[["trial", "pruned_at", "stopped_step"]]
+    print(f"{stopped.sum()} of {len(pruned)} pruned trials stopped at an agreed step (the others had ended first)")
     for row in pruned.itertuples():
         pids = [int((tmp_path / f"{row.run_id}.{r}").read_text()) for r in range(row.ranks)]
         alive = [p for p in pids if not _gone(p)]
         assert not alive, f"trial {row.trial} pruned at {row.pruned_at}: ranks still alive {alive}"
+        last = {int((tmp_path / f"{row.run_id}.{r}.last").read_text()) for r in range(row.ranks)}
+        at = STEPS - 1 if pd.isna(row.stopped_step) else row.stopped_step
+        assert last == {at} and at >= row.pruned_at, (row, last)
     # gang placement: a worker serves one trial at a time, never more than the cluster at once
     assert _intervals_overlap_per_worker(df) == []
     assert _most_busy(df) <= 4
     assert s.best["value"] == done["value"].min()
+    _clean(client4)
+
+
+def test_a_pruned_trial_saves_at_its_agreed_step_and_resumes_from_it_on_more_ranks(client4, tmp_path):
+    """Pause/resume through checkpoints: the pruned trial's ranks save at the step they agreed to stop at; a
+    resumed trial (PBT-style: another lr, 2 ranks instead of 1) continues from that step's checkpoint; the
+    finished sweep runs again for it. With exploit=True new trials start from the best trial's checkpoint."""
+    pruner = optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=2)
+    # 400 steps: the stop reaches the ranks long before their end, however loaded the machine
+    s = dask_ddp.sweep(client4, resumable, {"lr": {"low": 0.8, "high": 1.0}, "steps": 400}, n_trials=1, metric="loss",
+                       scheduler=pruner, sampler="random", seed=0, kwargs={"folder": str(tmp_path)},
+                       run_options={"checkpoint_dir": str(tmp_path / "ckpt")}, progress=False)
+    try:
+        assert s.wait(120) and s.state == "FINISHED", (s.state, s.cause)
+        first = s.results().iloc[0]
+        assert first["state"] == "PRUNED" and first["pruned_at"] == 2 and first["stopped_step"] >= 2, first
+        assert dask_ddp.latest_checkpoint(first["checkpoint"]) is not None, first["checkpoint"]
+        with pytest.raises(ValueError, match="unknown_param|not a parameter"):
+            s.resume(0, params={"unknown_param": 1})
+        s.resume(0, ranks=2, params={"lr": 0.2, "steps": 10})  # lr off the space: Optuna warns, and takes it
+        assert s.wait(120) and s.state == "FINISHED", (s.state, s.cause)
+    finally:
+        s.cancel()
+    df = s.results()
+    second = df.iloc[1]
+    assert len(df) == 2 and second["state"] == "COMPLETE" and second["resumed_from"] == 0, df
+    assert second["ranks"] == 2 and second["params_lr"] == 0.2 and second["checkpoint"] != first["checkpoint"]
+    starts = {(tmp_path / f"{second['run_id']}.{r}.first").read_text() for r in range(2)}
+    assert starts == {f"{first['stopped_step'] + 1} 2"}, starts  # both ranks from the step after the save
+    assert min(s.study.trials[1].intermediate_values) == first["stopped_step"] + 1
+    # PBT-style exploit: the later trials start from the best ended trial's checkpoint
+    e = dask_ddp.sweep(client4, resumable, {"lr": {"low": 0.0, "high": 0.4}}, n_trials=3, metric="loss",
+                       scheduler="none", max_concurrent=1, exploit=True, kwargs={"folder": str(tmp_path), "steps": 4},
+                       run_options={"checkpoint_dir": str(tmp_path / "ckpt")}, progress=False)
+    try:
+        assert e.wait(120) and e.state == "FINISHED", (e.state, e.cause)
+    finally:
+        e.cancel()
+    rows = e.results()
+    assert rows["resumed_from"].isna().iloc[0] and rows["resumed_from"].notna().iloc[1:].all(), rows
+    assert (rows["state"] == "COMPLETE").all() and rows["steps"].eq(4).all(), rows
+    _clean(client4)
+
+
+def test_job_stop_cancels_ranks_that_reach_no_report_within_the_grace(client4):
+    """Job.stop's fallback (a pruned trial whose ranks report no more): after ``grace`` s they are killed
+    together, the job ends CANCELLED without a stopped step."""
+    job = dask_ddp.dispatch.run(client4, hangs, 0.1, progress=False)
+    try:
+        wait_until(lambda: not job.metrics.empty, 120, what="the job's first report")
+        job.stop("a test", grace=1.0)
+        assert job.wait(60, progress=False)
+    finally:
+        job.cancel()
+    assert job.state == "CANCELLED" and job.stopped_step is None, job.history
+    _clean(client4)
+
+
+def _metrics_text(client) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(client.dashboard_link.rsplit("/", 1)[0] + "/metrics", timeout=60) as r:
+        return r.read().decode()
+
+
+def _sweep_samples(text: str, name: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("dask_ddp_sweep") and sample.labels.get("sweep") == name:
+                out[(sample.name, sample.labels.get("state"))] = sample.value
+    return out
+
+
+def test_the_dashboard_prometheus_and_mlflow_show_the_sweep(client4, tmp_path, monkeypatch):
+    """Seen: the scheduler's DDP state and page list the sweep's trials by state, /metrics exports them and the
+    slot occupancy while it runs; MLflow (a real file store) has one parent run and one child run per trial."""
+    mlflow = pytest.importorskip("mlflow", reason="MLflow is not installed: pip install 'dask-ddp[mlflow]'")
+    from dask_ddp.dashboard.page import sweeps_html
+    from dask_ddp.dashboard.plugin import NAME
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = (tmp_path / "mlruns").as_uri()
+    pruner = optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=1)
+    s = dask_ddp.sweep(client4, slow, {"lr": [0.2, 0.9, 0.3, 0.8]}, n_trials=4, metric="loss", sampler="grid",
+                       scheduler=pruner, max_concurrent=2, name="seen", kwargs={"folder": str(tmp_path)},
+                       mlflow=dask_ddp.MLflowSink(store, experiment="sweeps"), progress=False)
+    try:
+        got = wait_until(lambda: (m := _sweep_samples(_metrics_text(client4), "seen")).get(
+            ("dask_ddp_sweep_trials", "RUNNING"), 0) >= 1 and m, 120, what="the running sweep on /metrics")
+        assert got[("dask_ddp_sweep_workers", None)] == 4 and got[("dask_ddp_sweep_busy_workers", None)] >= 1, got
+        assert 0 < got[("dask_ddp_sweep_occupancy_ratio", None)] <= 1, got
+        assert s.wait(180) and s.state == "FINISHED", (s.state, s.cause)
+    finally:
+        s.cancel()
+    counts = s.counts()
+    assert counts["PRUNED"] == 2 and counts["COMPLETE"] == 2, counts
+
+    def seen():
+        return client4.run_on_scheduler(lambda dask_scheduler: dict(
+            dask_scheduler.plugins[NAME].state.sweeps.get("seen") or {}))
+    view = wait_until(lambda: seen().get("state") == "FINISHED" and seen(), 30, what="the sweep's end on the page")
+    assert view["trials"]["PRUNED"] == 2 and view["trials"]["COMPLETE"] == 2 and view["n_trials"] == 4, view
+    assert 0 < view["occupancy"] <= 1, view
+    page = sweeps_html([view])
+    assert "<td>seen</td><td>FINISHED</td>" in page and "<td>2</td>" in page, page
+    assert ("dask_ddp_sweep_trials", "PRUNED") not in _sweep_samples(_metrics_text(client4), "seen")  # ended
+
+    reader = mlflow.MlflowClient(tracking_uri=store)
+    runs = reader.search_runs([reader.get_experiment_by_name("sweeps").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.run_name == "seen" and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    children = {int(r.data.tags["dask_ddp.trial"]): r for r in runs if r is not parent}
+    assert sorted(children) == [0, 1, 2, 3]
+    df = s.results().set_index("trial")
+    for number, child in children.items():
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["dask_ddp.trial_state"] == df.loc[number, "state"]
+        assert float(child.data.params["lr"]) == df.loc[number, "params_lr"]
+        assert child.data.tags["dask_ddp.run_id"] == df.loc[number, "run_id"]
+        assert reader.get_metric_history(child.info.run_id, "loss/rank0"), number
+    best = reader.get_metric_history(parent.info.run_id, "best_value")
+    assert min(m.value for m in best) == s.best["value"]
     _clean(client4)
 
 
@@ -281,11 +441,63 @@ def test_the_client_dying_stops_every_trial(client4, tmp_path):
         proc.kill()
         proc.wait(30)
         killed = time.monotonic()
-        wait_until(lambda: no_running_ranks(client4), 60, what="every trial's ranks stopped")
+        wait_until(lambda: no_running_ranks(client4), 10, what="every trial's ranks stopped within 10 s")
         print(f"ranks gone {time.monotonic() - killed:.1f} s after the client was killed")
     finally:
         if proc.poll() is None:
             proc.kill()
+    _clean(client4)
+
+
+def test_a_detached_sweep_survives_its_killed_client_and_attach_sweep_sees_and_cancels_it(client4, tmp_path):
+    """A kernel restart: the sweep runs with detach=True in a subprocess client that is then SIGKILLed; the
+    sweep runs on (trials keep ending and starting), attach_sweep from another client sees every trial it has
+    asked, and cancel() stops the rest; every trial ends in a recorded state, no rank left."""
+    script = tmp_path / "notebook.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from dask.distributed import Client
+        import dask_ddp
+
+        def short(lr, steps):
+            for step in range(steps):
+                dask_ddp.report(loss=lr + 1 / (step + 1), step=step)
+                time.sleep(0.1)
+
+        if __name__ == "__main__":
+            client = Client({client4.scheduler.address!r})
+            s = dask_ddp.sweep(client, short, {{"lr": {{"low": 0.0, "high": 1.0}}, "steps": 10}}, n_trials=400,
+                               metric="loss", scheduler="none", name="survivor", detach=True, progress=False)
+            while (s.results()["steps"] > 0).sum() < 4:  # four trials' ranks run and report
+                time.sleep(0.1)
+            print("RUNNING", flush=True)
+            time.sleep(3600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    s = None
+    try:
+        assert proc.stdout.readline().strip() == "RUNNING"
+        proc.kill()
+        proc.wait(30)
+        s = dask_ddp.attach_sweep(client4, "survivor", progress=False)
+        assert s.detached and s.state == "RUNNING", (s.state, s.cause)
+        before = s.counts()["COMPLETE"]
+        wait_until(lambda: s.counts()["COMPLETE"] >= before + 4, 120, what="trials ending after the client died")
+        assert not no_running_ranks(client4)
+        assert s.cancel(120), s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if s is not None:
+            s.cancel(120)
+    df = s.results()
+    assert s.state == "CANCELLED" and "cancel" in s.cause, (s.state, s.cause)
+    assert list(df["trial"]) == list(range(len(df))) and len(df) >= 8, df  # every trial asked, by number
+    assert set(df["state"]) <= set(TRIAL_ENDED) and (df["state"] == "CANCELLED").any(), df["state"].value_counts()
+    assert (df.loc[df["state"] == "COMPLETE", "steps"] == 10).all()
+    assert no_running_ranks(client4)
+    with pytest.raises(dask_ddp.SweepNotFound, match="no detached sweep named 'nobody'"):
+        dask_ddp.attach_sweep(client4, "nobody")
     _clean(client4)
 
 
@@ -389,6 +601,9 @@ class _Ended:
         self.state, self.cancelled = "FINISHED", False
 
     def cancel(self, timeout=None):
+        self.cancelled = True
+
+    def stop(self, cause, grace=None):
         self.cancelled = True
 
     def result(self, timeout=None, progress=None):

@@ -146,14 +146,16 @@ class DaskCluster:
             out, self._leaving = self._leaving, []
         return out
 
-    def notify(self, task: RankTask, addresses: list[str], cause: str, grace: float) -> None:
-        """Ask every rank of ``task``'s attempt to save at an agreed step and stop (the job grows)."""
+    def notify(self, task: RankTask, addresses: list[str], cause: str, grace: float, kind: str = "grow") -> None:
+        """Ask every rank of ``task``'s attempt to save at an agreed step and stop (``kind``: ``grow``, the job
+        grows; ``stop``, it ends there)."""
         from dask_ddp.worker.leaving import notify
 
         try:
-            notify(self.client, task.attempt_id, addresses, cause, grace)
+            notify(self.client, task.attempt_id, addresses, cause, grace, kind)
         except Exception:  # noqa: BLE001 - a worker left meanwhile: the job goes on, growth is tried again
-            logger.warning("dask-ddp could not ask the ranks of %s to grow", task.attempt_id, exc_info=True)
+            logger.warning("dask-ddp could not ask the ranks of %s to stop (%s)", task.attempt_id, kind,
+                           exc_info=True)
 
     def stacks(self, attempt_id: str, addresses: list[str]) -> dict[int, str]:
         """Every rank's Python stack dump, by rank (``-1``: why none could be had)."""

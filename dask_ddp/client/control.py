@@ -62,6 +62,9 @@ class Control(Protocol):
     def cancel(self) -> None:
         """Ask the job to stop, without waiting."""
 
+    def stop(self, cause: str, grace: float) -> None:
+        """Ask the ranks to stop at one agreed step (or be cancelled after ``grace`` s), without waiting."""
+
     def in_driver_thread(self) -> bool:
         """True in the thread that drives the job and runs its callbacks (waiting there would wait forever)."""
 
@@ -100,6 +103,9 @@ class LocalControl:
 
     def cancel(self) -> None:
         self.controller.cancel()
+
+    def stop(self, cause: str, grace: float) -> None:
+        self.controller.stop(cause, grace)
 
     def in_driver_thread(self) -> bool:
         return threading.current_thread() is self._thread

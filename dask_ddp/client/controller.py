@@ -28,7 +28,7 @@ from typing import Any, Callable
 import cloudpickle
 import dask
 
-from dask_ddp.client import elastic, policy
+from dask_ddp.client import elastic, notices, policy
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.callbacks import Callbacks
 from dask_ddp.client.events import EventOrder, items_of
@@ -96,6 +96,7 @@ class Controller:
         bounds = planning.elastic_bounds(spec.workers)
         self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
         self._next_grow = 0.0
+        self.stop_asked: tuple[str, float] | None = None  # stop(): the cause, and clock() by which to cancel instead
 
     # ---- driving -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,8 +129,8 @@ class Controller:
         self._deliver(self.cluster.events(wait))
         if self.phase == Phase.RUNNING:
             self._check_ranks()
-        if self.phase == Phase.RUNNING and self._grow:
-            self._check_growth()
+        if self.phase == Phase.RUNNING and (self._grow or self.stop_asked):
+            notices.check_stop(self) if self.stop_asked else notices.check_growth(self)
         if self.phase == Phase.DRAINING:
             self._check_drained()
         if self.phase == Phase.WAITING:
@@ -140,6 +141,11 @@ class Controller:
         """Ask every rank to stop; the job ends CANCELLED once they have."""
         self.cancel_requested = True
         self._abort("cancel() was called", cancel=True)
+
+    def stop(self, cause: str, grace: float) -> None:
+        """Ask every rank to stop at one agreed step (a ``stop`` notice, as a preemption's, saving what the code
+        registered); the job ends CANCELLED there without a restart, or is cancelled after ``grace`` seconds."""
+        self.stop_asked = self.stop_asked or (cause, self.clock() + grace)
 
     # ---- events --------------------------------------------------------------------------------------------
     def _deliver(self, messages: list[dict]) -> None:
@@ -231,21 +237,6 @@ class Controller:
         if att.ended():
             self.phase, self._deadline, self._backfilled = Phase.DRAINING, self.clock() + DRAIN_WAIT, False
 
-    def _check_growth(self) -> None:
-        """An elastic job below its maximum saves and restarts on more workers once idle ones have joined."""
-        att, now = self.attempt, self.clock()
-        if att.grow_asked or now < self._next_grow or not self.last_report:
-            return
-        self._next_grow = now + 1.0
-        idle = [a for a in self._usable_workers()
-                if a not in att.plan.addresses and a not in self.silence.silent and a not in self.departed]
-        more = elastic.grow_by(self._grow, att.plan.world_size, len(idle))
-        if more:
-            att.grow_asked = True
-            self.cluster.notify(att.tasks[0], list(att.plan.addresses), f"{len(idle)} worker(s) joined "
-                                f"({', '.join(sorted(idle))}): the job grows to {att.plan.world_size + more} ranks",
-                                self.grace)
-
     def _check_stall(self, att: Attempt) -> None:
         limit = self.spec.stall_timeout
         if not limit or att.stalled or att.ended():
@@ -309,8 +300,8 @@ class Controller:
         decision = policy.decide(outcomes, cancelled=self.cancel_requested, attempt=att.index - self.preemptions,
                                  max_restarts=self.spec.max_restarts)
         pre = elastic.preemption(outcomes)
-        capped = None
-        if pre is not None and decision.action != Action.FINISH and not self.cancel_requested:
+        capped, stop = None, pre is not None and pre.notice.kind == "stop" and decision.action != Action.FINISH
+        if pre is not None and decision.action != Action.FINISH and not self.cancel_requested and not stop:
             capped = elastic.over_cap(self.preemptions, self.max_preemptions, self.run_id)
             decision = self._after_preemption(pre) if capped is None else policy.Decision(Action.FAIL, str(capped))
         self.cluster.release(att.futures)
@@ -320,8 +311,10 @@ class Controller:
         elif decision.action == Action.FINISH:
             values, error = policy.results(att.outcomes, self.raw_results, self.run_id)
             self._end("FAILED" if error else "FINISHED", error, str(error) if error else decision.reason, values)
-        elif self.cancel_requested:
-            self._cancelled(decision.reason)
+        elif stop or self.cancel_requested:
+            self.record.stopped_step = pre.step if stop else None
+            self._cancelled(f"stopped at step {pre.step} on every rank ({'saved' if pre.safe else 'not saved'}): "
+                            f"{pre.notice.cause}" if stop and pre.step is not None else decision.reason)
         elif decision.action == Action.RESTART:
             self._begin_restart(att, decision)
         else:

@@ -219,6 +219,10 @@ class RemoteControl:
     def cancel(self) -> None:
         self.client.run_on_scheduler(_cancel, self.run_id)
 
+    def stop(self, cause: str, grace: float) -> None:
+        """A detached job is cancelled (its driver takes no stop request)."""
+        self.cancel()
+
     def in_driver_thread(self) -> bool:
         return False  # the driver's thread is in the scheduler's process; this one's polling runs no callback
 

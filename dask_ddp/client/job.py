@@ -29,6 +29,7 @@ from dask_ddp.data.checkpoint import job_folder
 from dask_ddp.observe.display import job_html, progress_text
 from dask_ddp.observe.progress import Progress
 from dask_ddp.observe.sinks import plot_metrics
+from dask_ddp.wire.notices import grace_period
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.wire.task import topic_of
 
@@ -208,6 +209,22 @@ class Job:
         self._control.cancel()
         if not self._control.in_driver_thread():
             self.wait(timeout, progress=False)
+
+    def stop(self, cause: str = "job.stop() was called", grace: float | None = None) -> None:
+        """Stop every rank at one agreed step, without a restart, and return at once (``wait()`` waits).
+
+        The ranks get a ``stop`` notice (the preemption protocol): each stops at the same ``report()``, saving
+        what the code registered with :func:`dask_ddp.on_preemption` first; the job then ends CANCELLED with
+        ``stopped_step`` set. Ranks that do not reach a report within ``grace`` seconds (default
+        ``ddp.preemption.grace-period``) are stopped as by :meth:`cancel`. A detached job is cancelled.
+        """
+        if not self.done():
+            self._control.stop(cause, grace_period() if grace is None else float(grace))
+
+    @property
+    def stopped_step(self) -> int | None:
+        """The step every rank stopped at after :meth:`stop` (None: not stopped so, or not yet)."""
+        return self._control.record.stopped_step
 
     # ---- what the ranks sent -------------------------------------------------------------------------------
     @property

@@ -63,6 +63,7 @@ class JobRecord:
         self.n_events = 0  # events ever added (the first of ``events`` is number n_events - len(events))
         self.n_metrics = 0
         self.top_step = -1  # the highest step any rank reported
+        self.stopped_step: int | None = None  # Job.stop(): the step every rank stopped at
         self.latest: dict[int, dict] = {}  # rank -> its latest report
         self.telemetry: dict[int, dict] = {}  # rank -> its latest telemetry item (not kept in ``events``)
         self.stragglers: dict[int, str] = {}  # rank -> the message that named it a straggler (this attempt)

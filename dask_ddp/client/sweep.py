@@ -8,14 +8,13 @@ the trials, each a :func:`dask_ddp.dispatch.run` job pinned to its own workers. 
             -> FAILED      (max_failures trials failed, or the driver failed; running trials were cancelled)
             -> CANCELLED   (sweep.cancel(), or the Dask client closed)
 
-Not yet: ``attach_sweep`` after a kernel restart (an Optuna storage given as ``storage=`` keeps the study
-and its trials, not the running sweep), resumable/promoted trials from checkpoints, the dashboard's and
-Prometheus's view of a sweep.
+With ``detach=True`` the driver runs in the scheduler's process instead and the sweep outlives the notebook;
+:func:`attach_sweep` follows it from a new kernel
+(:mod:`dask_ddp.client.sweep_detach`).
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,17 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dask_ddp.client import dispatch, search
+from dask_ddp.client import dispatch, search, sweep_detach, sweep_resume
+from dask_ddp.client import sweep_checks as checks
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
+from dask_ddp.observe.mlflow_sink import MLflowSink
 from dask_ddp.observe.progress import SweepProgress
-from dask_ddp.wire.errors import PlanError
 
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["sweep", "Sweep"]
+__all__ = ["sweep", "Sweep", "attach_sweep"]
 
 MODES = ("min", "max")
 SWEEP_ENDED = ("FINISHED", "FAILED", "CANCELLED")
@@ -43,7 +43,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
           mode: str = "min", scheduler: Any = "asha", sampler: Any = None, max_concurrent: int | None = None,
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
-          storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True) -> "Sweep":
+          storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True,
+          detach: bool = False, exploit: bool = False, mlflow: Any = None) -> "Sweep":
     """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
     :class:`Sweep` at once.
 
@@ -52,10 +53,12 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     arguments. ``train_fn`` reports the metric with ``dask_ddp.report(**{metric: value})``; rank 0's reports
     count (average over ranks first, e.g. with :func:`dask_ddp.all_reduce_mean`, where they differ), at the
     report's ``step``. A trial's value is its last report. The ``scheduler`` (an Optuna pruner) decides at
-    each report whether to stop the trial; a pruned trial's job is cancelled, so every one of its ranks is
-    stopped together (their processes are killed: no rank is left waiting in a collective, and their memory,
-    GPU memory included, is freed); it is recorded PRUNED at the step of the decision, and what its ranks
-    reported after that step does not count.
+    each report whether to stop the trial; a pruned trial's ranks all stop at one agreed report (the
+    preemption protocol: :meth:`Job.stop <dask_ddp.client.job.Job.stop>`; what :func:`dask_ddp.on_preemption`
+    registered is saved there), or, if they reach no report within ``ddp.sweep.prune-grace`` seconds, are
+    killed together (no rank is left waiting in a collective); their processes exit and their memory, GPU
+    memory included, is freed. It is recorded PRUNED at the step of the decision (``pruned_at``; its ranks
+    stopped at ``stopped_step``), and what its ranks reported after that step does not count.
 
     A trial of ``k`` ranks starts only when ``k`` workers are free, on all ``k`` at once, on one host where
     one has room (best fit), else on as few hosts as possible; its workers are free again once all its ranks
@@ -100,6 +103,18 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         The sampler's seed.
     progress : bool
         Show a progress bar over the trials in :meth:`Sweep.wait`.
+    detach : bool
+        Run the sweep's driver in the scheduler's process: the sweep outlives this client (a kernel restart),
+        and :func:`dask_ddp.attach_sweep` follows it from any client by ``name``
+        (:mod:`dask_ddp.client.sweep_detach`). Without it, a client that closes or dies stops every trial.
+    exploit : bool
+        PBT-style: every new trial starts from the checkpoint of the best ended trial so far, with the sampler's
+        new parameters (needs ``run_options={"checkpoint_dir": ...}`` and a ``train_fn`` that takes
+        ``resume_from``; see :mod:`dask_ddp.client.sweep_resume` and :meth:`Sweep.resume`).
+    mlflow : MLflowSink
+        A :class:`dask_ddp.MLflowSink` as a template: the sweep gets a parent run in its tracking store and
+        experiment, each trial a child run under it with its parameters and metrics
+        (:mod:`dask_ddp.observe.mlflow_sweep`).
 
     Raises
     ------
@@ -127,92 +142,58 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     kwargs = dict(kwargs or {})
     dispatch._check_pickles(train_fn, tuple(args), kwargs)  # the parameters are checked with each trial
     run_options = dict(run_options or {})
-    _check_names(searched, fixed, kwargs, run_options)
+    checks.check_names(searched, fixed, kwargs, run_options)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use 'min' or 'max'")
     if not isinstance(metric, str) or not metric:
         raise TypeError(f"metric={metric!r}: give the name of a key that train_fn reports")
-    n_trials = _count("n_trials", n_trials)
-    max_concurrent = _count("max_concurrent", max_concurrent, allow_none=True)
-    max_workers = _count("max_workers", max_workers, allow_none=True)
-    max_failures = _count("max_failures", max_failures, allow_none=True)
-    ranks = _ranks_rule(ranks_per_trial, searched, fixed)
-    workers = _check_workers(client, workers, max_workers, ranks_per_trial)
+    n_trials = checks.count("n_trials", n_trials)
+    max_concurrent = checks.count("max_concurrent", max_concurrent, allow_none=True)
+    max_workers = checks.count("max_workers", max_workers, allow_none=True)
+    max_failures = checks.count("max_failures", max_failures, allow_none=True)
+    ranks = checks.ranks_rule(ranks_per_trial, searched, fixed)
+    workers = checks.check_workers(client, workers, max_workers, ranks_per_trial)
+    resume_arg = sweep_resume.takes_resume(train_fn)
+    if mlflow is not None and not isinstance(mlflow, MLflowSink):
+        raise TypeError(f"mlflow={mlflow!r}: give a dask_ddp.MLflowSink (its tracking store and experiment)")
+    if resume_arg and "resume_from" in {**searched, **fixed, **kwargs}:
+        raise ValueError("resume_from is the sweep's argument (the checkpoint folder a trial starts from): keep it "
+                         "out of space and kwargs")
+    if exploit and not (resume_arg and run_options.get("checkpoint_dir")):
+        raise ValueError("exploit=True starts trials from other trials' checkpoints: pass run_options="
+                         "{'checkpoint_dir': url} and give train_fn a resume_from=None parameter")
     name = name or f"{getattr(train_fn, '__name__', 'sweep').strip('<>')}-{uuid.uuid4().hex[:8]}"
-    study = optuna.create_study(storage=storage, study_name=name, direction="minimize" if mode == "min" else
-                                "maximize", sampler=search.make_sampler(sampler, searched, seed),
-                                pruner=search.make_pruner(scheduler))
+    study_kw = {"storage": storage, "study_name": name, "direction": "minimize" if mode == "min" else "maximize",
+                "sampler": search.make_sampler(sampler, searched, seed), "pruner": search.make_pruner(scheduler)}
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
                      metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
                      max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
-                     progress=bool(progress))
-    handle = Sweep(client, spec, Driver(client, spec, study, searched))
-    handle._driver.start()
-    return handle
+                     progress=bool(progress), resume_arg=resume_arg, exploit=bool(exploit), mlflow=mlflow)
+    if detach:
+        if storage is not None:
+            optuna.create_study(**study_kw)  # refuses a name the storage holds already, here
+        return Sweep(client, spec, sweep_detach.launch(client, spec, searched, study_kw))._start()
+    return Sweep(client, spec, Driver(client, spec, optuna.create_study(**study_kw), searched))._start()
 
 
-def _count(name: str, value, allow_none: bool = False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name}={value!r}: expected an int >= 1" + (" or None" if allow_none else ""))
-    return value
+def attach_sweep(client: Client, name: str, *, progress: bool | None = None) -> "Sweep":
+    """Follow a detached sweep (``sweep(..., detach=True)``) by its name, from any client of its cluster (a
+    new kernel): ``results()`` shows every trial it has asked, ``wait()`` follows it, ``cancel()`` stops it,
+    ``resume()`` continues a trial while it runs (:mod:`dask_ddp.client.sweep_detach`).
 
+    ``progress`` defaults to the sweep's own setting.
 
-_RUN_KEYWORDS = [p.name for p in inspect.signature(dispatch.run).parameters.values()
-                 if p.kind == inspect.Parameter.KEYWORD_ONLY]
-_TAKEN = ("workers", "callbacks", "detach", "name", "progress")  # the sweep sets these for each trial
-
-
-def _check_names(searched: dict, fixed: dict, kwargs: dict, run_options: dict) -> None:
-    params = set(searched) | set(fixed)
-    for what, names in (("space parameter", params), ("kwargs key", set(kwargs))):
-        clash = sorted(names & set(_RUN_KEYWORDS))
-        if clash:
-            raise ValueError(f"{what} {', '.join(map(repr, clash))} is also a keyword of dispatch.run: rename it "
-                             "(run's own keywords go in run_options=)")
-    both = sorted(params & set(kwargs))
-    if both:
-        raise ValueError(f"{', '.join(map(repr, both))} is both in space and in kwargs: keep it in one")
-    unknown = sorted(set(run_options) - set(_RUN_KEYWORDS))
-    taken = sorted(set(run_options) & set(_TAKEN))
-    if unknown or taken:
-        raise ValueError(f"run_options: {', '.join(unknown + taken)} " + ("is not a keyword of dispatch.run" if
-                         unknown else "is set by the sweep for each trial") + f" (allowed: "
-                         f"{', '.join(k for k in _RUN_KEYWORDS if k not in _TAKEN)})")
-
-
-def _ranks_rule(ranks_per_trial, searched: dict, fixed: dict) -> Callable[[dict], int]:
-    if isinstance(ranks_per_trial, bool):
-        raise TypeError("ranks_per_trial: expected an int, a parameter name or a function of the parameters")
-    if isinstance(ranks_per_trial, int):
-        _count("ranks_per_trial", ranks_per_trial)
-        return lambda params: ranks_per_trial
-    if isinstance(ranks_per_trial, str):
-        if ranks_per_trial not in searched and ranks_per_trial not in fixed:
-            raise ValueError(f"ranks_per_trial={ranks_per_trial!r} names no parameter of space (it has "
-                             f"{', '.join(sorted({*searched, *fixed}))})")
-        return lambda params: params[ranks_per_trial]
-    if callable(ranks_per_trial):
-        return ranks_per_trial
-    raise TypeError(f"ranks_per_trial={ranks_per_trial!r}: expected an int, a parameter name or a function of "
-                    "the parameters")
-
-
-def _check_workers(client, workers, max_workers, ranks_per_trial) -> tuple[str, ...] | None:
-    """The ``workers=`` selection (as a tuple); with an int ``ranks_per_trial``, that it fits the workers the
-    sweep may use."""
-    if workers is not None and (isinstance(workers, str) or not all(isinstance(w, str) for w in workers)):
-        raise TypeError(f"workers={workers!r}: expected a list of worker addresses or names")
-    selected = tuple(workers) if workers is not None else None
-    if isinstance(ranks_per_trial, int):
-        n = len(dispatch._plan(client, list(selected) if selected is not None else None).ranks)
-        room = n if max_workers is None else min(n, max_workers)
-        if ranks_per_trial > room:
-            raise PlanError(f"ranks_per_trial={ranks_per_trial}, but the sweep may use only {room} workers (the "
-                            f"cluster has {n}{'' if selected is None else ' of those named in workers='}, "
-                            f"max_workers={max_workers}): lower ranks_per_trial or add workers")
-    return selected
+    Raises
+    ------
+    SweepNotFound
+        The scheduler knows no detached sweep of that name (it restarted, the sweep ended more than
+        ``ddp.detached.keep`` sweeps ago, or the sweep was not detached: a sweep started without
+        ``detach=True`` ends with its notebook).
+    ClientClosedError
+        The client is not connected.
+    """
+    spec, driver = sweep_detach.find(client, name, progress)
+    return Sweep(client, spec, driver)._start()
 
 
 class Sweep:
@@ -228,9 +209,22 @@ class Sweep:
         RUNNING, FINISHED, FAILED or CANCELLED (see :mod:`dask_ddp.client.sweep`); ``cause`` says why it ended.
     """
 
-    def __init__(self, client: Client, spec: SweepSpec, driver: Driver) -> None:
+    def __init__(self, client: Client, spec: SweepSpec, driver: Any) -> None:
         self.client, self.spec, self._driver = client, spec, driver
-        self.name, self.study = spec.name, driver.study
+        self.name = spec.name
+
+    def _start(self) -> "Sweep":
+        self._driver.start()
+        return self
+
+    @property
+    def study(self) -> Any:
+        return self._driver.study
+
+    @property
+    def detached(self) -> bool:
+        """Whether the sweep's driver runs in the scheduler's process (``detach=True``, or :func:`attach_sweep`)."""
+        return bool(getattr(self._driver, "remote", False))
 
     @property
     def state(self) -> str:
@@ -265,6 +259,10 @@ class Sweep:
                 if bar:
                     bar.update()
         except KeyboardInterrupt as exc:
+            if self.detached:
+                exc.add_note(f"[dask-ddp] detached sweep {self.name} keeps running; "
+                             f"dask_ddp.attach_sweep(client, {self.name!r}).cancel() stops it")
+                raise
             self._driver.stop("CANCELLED", "interrupted (Ctrl-C) while waiting")
             exc.add_note(f"[dask-ddp] sweep {self.name} was cancelled: its trials stop within seconds")
             raise
@@ -280,10 +278,33 @@ class Sweep:
             self._driver.stop("CANCELLED", "sweep.cancel() was called")
         return self.wait(timeout, progress=False)
 
+    def resume(self, trial: int, *, ranks: int | None = None, params: dict | None = None) -> None:
+        """Run a new trial that continues ended trial ``trial`` from its last checkpoint (a pruned trial resumed,
+        a good one promoted), with its parameters updated by ``params`` (PBT-style), on ``ranks`` ranks (default
+        the same); it runs next, and does not count against ``n_trials``; a FINISHED sweep runs again for it.
+        ``train_fn`` gets the folder as ``resume_from`` (see :mod:`dask_ddp.client.sweep_resume`); the new
+        trial's ``resumed_from`` column names ``trial``.
+
+        Raises
+        ------
+        ValueError
+            No such ended trial; no ``checkpoint_dir`` in ``run_options``; unknown ``params``; the sweep was
+            cancelled or failed (or, detached, has ended).
+        TypeError
+            ``train_fn`` takes no ``resume_from``; bad ``ranks`` or ``params``.
+        """
+        with self._driver.cond:
+            sweep_resume.check(self.spec, self._driver.trials, trial, ranks, params)
+        if self.state in ("CANCELLED", "FAILED") or (self.detached and self.done()):
+            raise ValueError(f"sweep {self.name} is {self.state}: start a new sweep (sweep.results() has the "
+                             "checkpoint folders; pass one to train_fn yourself)")
+        self._driver.resume(trial, ranks, params)
+
     def results(self) -> pd.DataFrame:
         """One row per trial asked so far, by trial number: ``trial``, ``state``, ``params_<name>`` for each
         parameter, ``value`` (what Optuna was told), ``last`` and ``best`` report of the metric, ``steps``
-        (reports that counted), ``last_step``, ``pruned_at``, ``ranks``, ``workers`` (comma-separated
+        (reports that counted), ``last_step``, ``pruned_at``, ``stopped_step`` (where every rank of a pruned trial
+        stopped), ``ranks``, ``workers`` (comma-separated
         addresses), ``run_id`` (the trial's job), ``queued``/``started``/``first_report``/``stopped``/``ended``
         (UTC timestamps: asked, its job started, rank 0's first report of the metric, the pruner's decision,
         every rank stopped), ``duration`` (seconds, started to ended) and ``error`` (with its traceback).

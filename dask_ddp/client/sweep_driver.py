@@ -6,8 +6,11 @@ their watcher threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`)
 
 1. take what the jobs posted: rank 0's reports of the metric go to the trial's
    :class:`~dask_ddp.client.search.Decider`; when Optuna's pruner answers "prune at step s", the trial's
-   job is cancelled (every rank's process is killed together, so no rank can be left waiting in a
-   collective) and the trial is PRUNED at ``s``: its reports after ``s`` do not count. A job's end frees
+   job is stopped (:meth:`Job.stop <dask_ddp.client.job.Job.stop>`: every rank stops at one agreed report,
+   the preemption protocol, saving what ``on_preemption`` registered; ranks that reach no report within
+   ``ddp.sweep.prune-grace`` seconds are killed together, so no rank is left waiting in a collective) and
+   the trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks
+   stopped. A job's end frees
    its workers (they are free only once every rank has stopped) and is told to Optuna;
 2. fill the free workers: ask Optuna for trials (a short line of them), pick which fits
    (:func:`~dask_ddp.client.placement.pick`), seat it (:func:`~dask_ddp.client.placement.place`) and
@@ -23,14 +26,16 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from dask_ddp.client import dispatch
+import dask
+
+from dask_ddp.client import dispatch, sweep_resume
 from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
-from dask_ddp.client.trial import TrialRecord
+from dask_ddp.client.sweep_view import SweepView
+from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.events import RESERVED_KEYS
 
@@ -41,40 +46,6 @@ logger = logging.getLogger("dask_ddp")
 LINE = 2  # trials asked ahead of a free slot: a trial of another size may fit where the first does not
 PATIENCE = 4  # times the head of the line may be passed over before it holds the free workers for itself
 RECHECK = 1.0  # seconds between looks at the cluster while nothing ended (workers may have joined)
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    """What a sweep was started with (validated by :func:`dask_ddp.client.sweep.sweep`)."""
-
-    name: str
-    fn: Callable
-    args: tuple
-    kwargs: dict
-    fixed: dict
-    ranks: Callable[[dict], int]
-    metric: str
-    minimize: bool
-    n_trials: int
-    max_concurrent: int | None
-    max_workers: int | None
-    workers: tuple[str, ...] | None
-    max_failures: int | None
-    run_options: dict
-    progress: bool = True
-
-
-class TrialHooks:
-    """The callbacks of one trial's job: post every metric report and the job's end to the driver's inbox."""
-
-    def __init__(self, inbox: queue.Queue, number: int):
-        self.inbox, self.number = inbox, number
-
-    def on_metrics(self, item: dict) -> None:
-        self.inbox.put(("metric", self.number, item))
-
-    def on_finish(self, job) -> None:
-        self.inbox.put(("end", self.number, job))
 
 
 class Driver:
@@ -98,8 +69,19 @@ class Driver:
         self._stop: str | None = None  # the sweep's end state once it is stopping
         self._look_at = 0.0  # monotonic time of the next look at the cluster
         self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{spec.name}", daemon=True)
+        self.view = SweepView(self)  # the dashboard's and MLflow's view
 
     def start(self) -> None:
+        self._thread.start()
+
+    def resume(self, number: int, ranks: int | None, params: dict | None) -> None:
+        """Ask for a trial continuing trial ``number`` (from any thread); a FINISHED sweep runs again for it."""
+        self.inbox.put(("resume", number, (ranks, params)))
+        with self.cond:
+            if self.state != "FINISHED" or self._thread.is_alive():
+                return
+            self.state, self.cause = "RUNNING", f"trial {number} resumed"
+        self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{self.spec.name}", daemon=True)
         self._thread.start()
 
     def stop(self, state: str, cause: str) -> None:
@@ -110,6 +92,8 @@ class Driver:
     def run(self) -> None:
         """Step until the sweep has ended; a bug here still stops every trial and ends the sweep."""
         try:
+            if self.view.mlflow is not None and self.view.mlflow.parent is None:  # not again when resumed
+                self.view.begin()
             while not self.step():
                 pass
         except Exception as exc:  # noqa: BLE001 - never leave trials running unseen
@@ -148,6 +132,7 @@ class Driver:
                 return True
             return False
         self._fill()
+        self.view.tick()
         if (self._asked >= self.spec.n_trials or self.exhausted) and not self._line and not self._jobs:
             self._finish("FINISHED", f"all {self._asked} trials ended" + (" (the grid is walked)" if
                                                                           self.exhausted else ""))
@@ -169,6 +154,8 @@ class Driver:
                 self._metric(a, b)
             elif kind == "end":
                 self._ended(a, b)
+            elif kind == "resume":
+                sweep_resume.take(self, a, *b)
             elif self._stop is None:
                 self._begin_stop(a, b)
 
@@ -190,7 +177,7 @@ class Driver:
                 rec.pruned_at, rec.stopped = step, time.time()
             logger.info("sweep %s: trial %d pruned at step %d (%s=%g)", self.spec.name, number, step,
                         self.spec.metric, value)
-            _quiet_cancel(self._jobs[number])
+            _quiet_stop(self._jobs[number], f"the sweep's pruner stopped trial {number} at step {step}")
 
     def _ended(self, number: int, job) -> None:
         """The trial's job has ended (every rank stopped): free its workers, tell Optuna, count a failure."""
@@ -200,6 +187,8 @@ class Driver:
         self._busy.difference_update(rec.workers)
         self._look_at = 0.0
         error = _job_error(job)
+        with self.cond:
+            rec.stopped_step = getattr(job, "stopped_step", None)
         if rec.pruned_at is not None:
             self._tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._end(rec, "PRUNED", value=rec.last)  # Optuna keeps the last intermediate value: the same
@@ -231,6 +220,7 @@ class Driver:
                 return
             eligible = self._eligible()
             room = len(eligible) if self.spec.max_workers is None else min(len(eligible), self.spec.max_workers)
+            self.view.room = room
             self._fail_oversized(room)
             free = [w for w in eligible if w.address not in self._busy]
             if self.spec.max_workers is not None:
@@ -266,9 +256,10 @@ class Driver:
                        f"use only {room} workers now (max_workers={self.spec.max_workers}, "
                        f"workers={self.spec.workers}): add workers or lower ranks_per_trial")
 
-    def _ask(self) -> None:
+    def _ask(self, counted: bool = True) -> TrialRecord:
+        """Ask Optuna for a trial and put it in line (a resumed one is not ``counted`` against n_trials)."""
         trial = self.study.ask(self.searched)
-        self._asked += 1
+        self._asked += counted
         params = {**trial.params, **self.spec.fixed}
         rec = TrialRecord(trial.number, params, 0)
         self._optuna[trial.number] = trial
@@ -277,30 +268,37 @@ class Driver:
         try:
             rec.ranks = self.spec.ranks(params)
         except Exception:  # noqa: BLE001 - the user's ranks_per_trial: the trial fails, the sweep goes on
-            return self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial failed for trial "
-                              f"{trial.number} ({params}):\n{traceback.format_exc()}")
+            self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial failed for trial "
+                       f"{trial.number} ({params}):\n{traceback.format_exc()}")
+            return rec
         if isinstance(rec.ranks, bool) or not isinstance(rec.ranks, int) or rec.ranks < 1:
-            return self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial gave {rec.ranks!r} for "
-                              f"trial {trial.number} ({params}): expected a positive int")
+            self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial gave {rec.ranks!r} for "
+                       f"trial {trial.number} ({params}): expected a positive int")
+            return rec
         self._deciders[trial.number] = Decider(trial)
         self._line.append(trial.number)
+        return rec
 
     def _launch(self, number: int, addresses: list[str]) -> None:
         rec, spec = self.trials[number], self.spec
         with self.cond:
             rec.state, rec.workers, rec.started = "RUNNING", tuple(addresses), time.time()
+            if rec.resumed_from is None:
+                sweep_resume.exploit(self, rec)
         self._busy.update(addresses)
+        extra: dict[str, Any] = {"resume_from": rec.resume_from} if spec.resume_arg else {}
         try:
             job = dispatch.run(self.client, spec.fn, *spec.args, workers=list(addresses),
-                               name=f"{spec.name}-trial{number}", callbacks=[TrialHooks(self.inbox, number)],
-                               progress=False, **spec.run_options, **spec.kwargs, **rec.params)
+                               name=f"{spec.name}-trial{number}", callbacks=[*self.view.callbacks(number, rec.params),
+                                                                    TrialHooks(self.inbox, number)],
+                               progress=False, **spec.run_options, **spec.kwargs, **rec.params, **extra)
         except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
             self._busy.difference_update(addresses)
             return self._fail(rec, self._optuna.pop(number), f"trial {number} could not start on "
                               f"{', '.join(addresses)}:\n{traceback.format_exc()}")
         self._jobs[number] = job
         with self.cond:
-            rec.run_id = job.run_id
+            rec.run_id, rec.checkpoint = job.run_id, job.checkpoint_dir
 
     # ---- ending --------------------------------------------------------------------------------------------
     def _tell(self, trial, value: float | None = None, state=None) -> None:
@@ -336,6 +334,7 @@ class Driver:
             rec.value = value
             rec.end(state, error)
             self.cond.notify_all()
+        self.view.ended(rec)
 
     def _begin_stop(self, state: str, cause: str) -> None:
         self._stop, self.cause = state, cause
@@ -348,6 +347,7 @@ class Driver:
             _quiet_cancel(job)
 
     def _finish(self, state: str, cause: str) -> None:
+        self.view.finish(state)
         with self.cond:
             self.state, self.cause = state, cause
             self.cond.notify_all()
@@ -366,6 +366,15 @@ def _quiet_cancel(job) -> None:
         job.cancel(timeout=0)
     except Exception:  # noqa: BLE001 - the client may be closing: the job then ends on its own
         logger.warning("dask-ddp could not cancel job %s", getattr(job, "run_id", job), exc_info=True)
+
+
+def _quiet_stop(job, cause: str) -> None:
+    """Stop a pruned trial's ranks at one agreed step (cancelled together after ``ddp.sweep.prune-grace``)."""
+    try:
+        job.stop(cause, grace=float(dask.config.get("ddp.sweep.prune-grace", 5)))
+    except Exception:  # noqa: BLE001 - the client may be closing: the job then ends on its own
+        logger.warning("dask-ddp could not stop job %s", getattr(job, "run_id", job), exc_info=True)
+        _quiet_cancel(job)
 
 
 def _job_error(job) -> str | None:

@@ -1,10 +1,11 @@
 """One trial of a sweep as the notebook knows it: parameters, placement, metric trace summary, end.
 
-Runs in: the client. The sweep's driver thread writes a :class:`TrialRecord`; the
+Runs in: the client. What a sweep was started with (:class:`SweepSpec`), the callbacks of a trial's job
+(:class:`TrialHooks`); the sweep's driver thread writes a :class:`TrialRecord`; the
 :class:`~dask_ddp.client.sweep.Sweep` handle reads it (under the sweep's lock). A trial's states::
 
     QUEUED -> RUNNING -> COMPLETE    (the job finished; its value is the last report of the metric)
-                      -> PRUNED      (the pruner stopped it at ``pruned_at``: its job was cancelled)
+                      -> PRUNED      (the pruner stopped it at ``pruned_at``: every rank stopped at ``stopped_step``)
                       -> FAILED      (a rank raised, a worker left, a stall, the metric never reported)
            -> CANCELLED              (sweep.cancel(), the failure limit, or the client closed, before it ended)
 """
@@ -12,17 +13,19 @@ Runs in: the client. The sweep's driver thread writes a :class:`TrialRecord`; th
 from __future__ import annotations
 
 import math
+import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS"]
+__all__ = ["SweepSpec", "TrialHooks", "TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS"]
 
 TRIAL_STATES = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "FAILED", "CANCELLED")
 TRIAL_ENDED = ("COMPLETE", "PRUNED", "FAILED", "CANCELLED")
 #: The columns of ``Sweep.results()`` but the parameters' (``params_<name>``, after ``state``)
-COLUMNS = ("trial", "state", "value", "last", "best", "steps", "last_step", "pruned_at", "ranks", "workers",
-           "run_id", "queued", "started", "first_report", "stopped", "ended", "duration", "error")
+COLUMNS = ("trial", "state", "value", "last", "best", "steps", "last_step", "pruned_at", "stopped_step",
+           "ranks", "workers", "run_id", "resumed_from", "checkpoint", "queued", "started", "first_report",
+           "stopped", "ended", "duration", "error")
 
 
 @dataclass
@@ -41,6 +44,10 @@ class TrialRecord:
     best: float | None = None
     value: float | None = None  # what Optuna was told (COMPLETE) or kept (PRUNED: the last intermediate)
     pruned_at: int | None = None
+    stopped_step: int | None = None  # the step every rank stopped at (a pruned trial's agreed step)
+    resumed_from: int | None = None  # the trial whose checkpoint it continued from (resume, exploit)
+    resume_from: str | None = None  # that trial's checkpoint folder (train_fn's ``resume_from``)
+    checkpoint: str | None = None  # its own checkpoint folder (run_options' checkpoint_dir / its run id)
     keys: set[str] = field(default_factory=set)  # every key any rank reported
     error: str | None = None  # the failure, with its traceback
     queued: float = field(default_factory=time.time)
@@ -68,7 +75,46 @@ class TrialRecord:
         duration = None if self.started is None or self.ended is None else self.ended - self.started
         return {"trial": self.number, "state": self.state, **{f"params_{k}": v for k, v in self.params.items()},
                 "value": self.value, "last": self.last, "best": self.best, "steps": self.steps,
-                "last_step": self.last_step, "pruned_at": self.pruned_at, "ranks": self.ranks,
-                "workers": ",".join(self.workers), "run_id": self.run_id, "queued": self.queued,
+                "last_step": self.last_step, "pruned_at": self.pruned_at,
+                "stopped_step": self.stopped_step, "ranks": self.ranks,
+                "workers": ",".join(self.workers), "run_id": self.run_id,
+                "resumed_from": self.resumed_from, "checkpoint": self.checkpoint, "queued": self.queued,
                 "started": self.started, "first_report": self.first_report, "stopped": self.stopped,
                 "ended": self.ended, "duration": duration, "error": self.error}
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What a sweep was started with (validated by :func:`dask_ddp.client.sweep.sweep`)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    fixed: dict
+    ranks: Callable[[dict], int]
+    metric: str
+    minimize: bool
+    n_trials: int
+    max_concurrent: int | None
+    max_workers: int | None
+    workers: tuple[str, ...] | None
+    max_failures: int | None
+    run_options: dict
+    progress: bool = True
+    resume_arg: bool = False  # train_fn takes ``resume_from``: a trial's checkpoint folder to continue from
+    exploit: bool = False  # a new trial starts from the best trial's checkpoint (PBT-style exploit)
+    mlflow: Any = None  # an MLflowSink: its store and experiment get the sweep's parent run and a child per trial
+
+
+class TrialHooks:
+    """The callbacks of one trial's job: post every metric report and the job's end to the driver's inbox."""
+
+    def __init__(self, inbox: queue.Queue, number: int):
+        self.inbox, self.number = inbox, number
+
+    def on_metrics(self, item: dict) -> None:
+        self.inbox.put(("metric", self.number, item))
+
+    def on_finish(self, job) -> None:
+        self.inbox.put(("end", self.number, job))

@@ -112,6 +112,7 @@ class DDPPage:
         self.title = Div(text="<h3>DDP jobs</h3><p>No dask-ddp job has run on this cluster yet.</p>",
                          name="ddp-title", sizing_mode="stretch_width")
         self.detail = Div(text="", name="ddp-detail", sizing_mode="stretch_width")
+        self.sweeps = Div(text="", name="ddp-sweeps", sizing_mode="stretch_width")
         jobs_table = DataTable(source=self.jobs, columns=[TableColumn(field=k, title=t, width=w)
                                                           for k, t, w in JOB_COLUMNS],
                                height=160, index_position=None, sizing_mode="stretch_width", name="ddp-jobs")
@@ -123,7 +124,8 @@ class DDPPage:
         chart.multi_line(xs="xs", ys="ys", color="color", legend_field="label", line_width=2, source=self.lines)
         chart.legend.location = "top_left"
         self.jobs.selected.on_change("indices", self._on_select)
-        self.root = column(self.title, jobs_table, self.detail, ranks_table, chart, sizing_mode="stretch_width")
+        self.root = column(self.title, self.sweeps, jobs_table, self.detail, ranks_table, chart,
+                           sizing_mode="stretch_width")
 
     def _on_select(self, attr, old, new) -> None:
         runs = self.jobs.data.get("run", [])
@@ -143,8 +145,11 @@ class DDPPage:
                          "dropped": [str(j.dropped) if j.dropped else "" for j in jobs]}
             if job is not None:
                 detail, ranks, lines = _detail(job), rank_table(job, now), _lines(job)
+            sweeps = sweeps_html(list(self.state.sweeps.values()))
         self._updating = True
         try:
+            if self.sweeps.text != sweeps:
+                self.sweeps.text = sweeps
             self.jobs.data = jobs_data
             if job is None:
                 return
@@ -163,6 +168,22 @@ class DDPPage:
             live = [j for j in jobs if not j.ended]
             self.selected = (live or jobs)[0].run if jobs else None
         return by_run.get(self.selected) if self.selected is not None else None
+
+
+def sweeps_html(sweeps: list[dict]) -> str:
+    """The sweeps table of the page: state, trials running, queued, pruned, done, failed, of n; occupancy."""
+    if not sweeps:
+        return ""
+    head = "".join(f"<th>{h}</th>" for h in ("Sweep", "State", "Running", "Queued", "Pruned", "Complete", "Failed",
+                                             "Cancelled", "Trials", "Busy workers", "Occupancy"))
+    rows = []
+    for w in reversed(sweeps):
+        t, occ = w["trials"], w.get("occupancy")
+        cells = [escape(w["sweep"]), w["state"], *(t.get(s, 0) for s in ("RUNNING", "QUEUED", "PRUNED",
+                 "COMPLETE", "FAILED", "CANCELLED")), w["n_trials"], f"{w['busy']} of {w['room']}",
+                 "" if occ is None else f"{100 * occ:.0f} %"]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return f"<h4>Sweeps</h4><table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def _detail(job: JobView) -> str:

@@ -5,7 +5,9 @@ Runs in: the scheduler's process. Dask serves ``/metrics`` from ``prometheus_cli
 :class:`~dask_ddp.dashboard.state.DashboardState` of the process (a test process may hold several
 schedulers, one after another). Jobs that ended are not exported: their series stop, as Prometheus expects
 of things that are gone. Labels: ``job`` (the run id) and ``rank``; ``dask_ddp_rank_info`` adds ``worker``,
-``host`` and ``device``, and ``dask_ddp_job_info`` the job's ``name``, ``state`` and ``attempt``.
+``host`` and ``device``, and ``dask_ddp_job_info`` the job's ``name``, ``state`` and ``attempt``. Running sweeps:
+``dask_ddp_sweep_trials{sweep,state}``, ``dask_ddp_sweep_busy_workers``, ``dask_ddp_sweep_workers`` and
+``dask_ddp_sweep_occupancy_ratio`` (label ``sweep``).
 """
 
 from __future__ import annotations
@@ -62,16 +64,38 @@ class DDPCollector:
                                       labels=["job", "rank", "worker", "host", "device"])
         job_info = GaugeMetricFamily("dask_ddp_job_info", "Each running job (always 1)",
                                      labels=["job", "name", "state", "attempt"])
+        sweep_families = _sweep_families(GaugeMetricFamily)
         now = time.time()
         for state in list(_STATES):
             with state.lock:
+                for sweep in state.sweeps.values():
+                    if sweep["state"] == "RUNNING":
+                        _add_sweep(sweep_families, sweep)
                 for job in state.jobs.values():
                     if job.ended:
                         continue
                     job_info.add_metric([job.run, job.name, job.state, str(job.attempt + 1)], 1)
                     _add_ranks(families, straggler, rank_info, job.run, rank_rows(job, now))
         # only families with samples: a scheduler without a running dask-ddp job shows no dask_ddp_ lines
-        yield from (f for f in (*families.values(), straggler, rank_info, job_info) if f.samples)
+        yield from (f for f in (*families.values(), straggler, rank_info, job_info, *sweep_families.values())
+                    if f.samples)
+
+
+def _sweep_families(family) -> dict:
+    return {"trials": family("dask_ddp_sweep_trials", "Trials of each running sweep by state (QUEUED, RUNNING, "
+                             "COMPLETE, PRUNED, FAILED, CANCELLED)", labels=["sweep", "state"]),
+            "busy": family("dask_ddp_sweep_busy_workers", "Workers running the sweep's trials", labels=["sweep"]),
+            "room": family("dask_ddp_sweep_workers", "Workers the sweep may use", labels=["sweep"]),
+            "occupancy": family("dask_ddp_sweep_occupancy_ratio", "Busy worker-seconds over workers x time since "
+                                "the sweep started (0..1)", labels=["sweep"])}
+
+
+def _add_sweep(families: dict, sweep: dict) -> None:
+    for state, n in sweep["trials"].items():
+        families["trials"].add_metric([sweep["sweep"], state], float(n))
+    for key in ("busy", "room", "occupancy"):
+        if isinstance(sweep.get(key), (int, float)):
+            families[key].add_metric([sweep["sweep"]], float(sweep[key]))
 
 
 def _add_ranks(families, straggler, rank_info, run: str, rows: dict) -> None:

@@ -12,7 +12,9 @@ Two kinds of messages arrive:
   its step and when it was last seen; items of kind ``"dropped"`` count what the ranks' limits dropped;
 - on ``dask-ddp-jobs``, what the client's controller says: ``{"kind": "job", "run", "name", "state",
   "attempt", "time", "ranks": [{"rank", "worker", "host", "device"}]}`` at every state transition and
-  ``{"kind": "straggler", "run", "rank", "worker", "host", "cause", "time", "message"}``.
+  ``{"kind": "straggler", "run", "rank", "worker", "host", "cause", "time", "message"}``, and what a
+  sweep's driver says (:mod:`dask_ddp.client.sweep_view`): ``{"kind": "sweep", "sweep", "state", "time",
+  "n_trials", "trials": {state: count}, "busy", "room", "occupancy"}``, kept in ``sweeps``.
 
 Everything is bounded: the last ``keep_jobs`` jobs (ended ones are dropped first), ``history`` step times
 per rank, ``MAX_STRAGGLERS`` straggler messages per job. A message that does not parse is ignored, never
@@ -87,6 +89,7 @@ class DashboardState:
     def __init__(self, keep_jobs: int = 20, history: int = 120):
         self.keep_jobs, self.history = max(1, int(keep_jobs)), max(2, int(history))
         self.jobs: OrderedDict[str, JobView] = OrderedDict()
+        self.sweeps: OrderedDict[str, dict] = OrderedDict()  # sweep name -> its latest message (see _sweep)
         self.lock = threading.Lock()
         self.version = 0  # bumped on every change: readers redraw only when it moved
 
@@ -108,6 +111,8 @@ class DashboardState:
 
     def _job_message(self, msg: dict) -> bool:
         kind, run = msg.get("kind"), msg.get("run")
+        if kind == "sweep":
+            return self._sweep(msg)
         if not isinstance(run, str):
             return False
         if kind == "job":
@@ -115,6 +120,22 @@ class DashboardState:
         if kind == "straggler":
             return self._straggler(run, msg)
         return False
+
+    def _sweep(self, msg: dict) -> bool:
+        name, at = msg.get("sweep"), float(msg.get("time") or time.time())
+        if not isinstance(name, str) or at < self.sweeps.get(name, {}).get("time", 0.0):
+            return False
+        got = msg.get("trials")
+        trials: dict = got if isinstance(got, dict) else {}
+        self.sweeps[name] = {"sweep": name, "state": str(msg.get("state") or "RUNNING"), "time": at,
+                             "n_trials": int(msg.get("n_trials") or 0), "busy": int(msg.get("busy") or 0),
+                             "room": int(msg.get("room") or 0), "occupancy": msg.get("occupancy"),
+                             "trials": {str(k): int(v) for k, v in trials.items()}}
+        self.sweeps.move_to_end(name)
+        while len(self.sweeps) > self.keep_jobs:
+            ended = next((k for k, v in self.sweeps.items() if v["state"] in ENDED), next(iter(self.sweeps)))
+            del self.sweeps[ended]
+        return True
 
     def _job(self, run: str, msg: dict) -> bool:
         at = float(msg.get("time") or time.time())

@@ -129,6 +129,7 @@ class MLflowSink:
         self.params, self.tags = dict(params or {}), {str(k): str(v) for k, v in (tags or {}).items()}
         self.flush_interval = flush_interval
         self.run_id: str | None = None  # the MLflow run of the current job
+        self.last_run_id: str | None = None  # the MLflow run of the latest job, once it has ended
         self._client: Any = None  # an MlflowClient from on_start
         self._pending: list = []
         self._lock = threading.Lock()
@@ -188,7 +189,7 @@ class MLflowSink:
                     status = {"FINISHED": "FINISHED", "CANCELLED": "KILLED"}.get(state, "FAILED")
                     self._client.set_terminated(self.run_id, status=status)
             finally:
-                self.run_id, self._pending = None, []
+                self.last_run_id, self.run_id, self._pending = self.run_id, None, []
 
     # ---- sending -------------------------------------------------------------------------------------------
     def _log_params(self, params: dict[str, str]) -> None:

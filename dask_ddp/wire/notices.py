@@ -16,7 +16,7 @@ import dask
 
 __all__ = ["Notice", "Stopped", "KINDS", "grace_period"]
 
-KINDS = ("leave", "grow", "signal")
+KINDS = ("leave", "grow", "signal", "stop")
 
 
 def grace_period() -> float:
@@ -30,7 +30,8 @@ class Notice:
     """Save and stop by ``deadline`` (``time.time()``): a worker of the job leaves, or the job grows.
 
     ``worker``: the address of the worker that leaves; ``kind``: ``leave`` (a worker leaves), ``grow`` (workers
-    joined an elastic job) or ``signal`` (a rank process received SIGTERM)."""
+    joined an elastic job), ``signal`` (a rank process received SIGTERM) or ``stop`` (``Job.stop()``: the job
+    ends at the agreed step, no restart; a sweep's pruned trial)."""
 
     deadline: float
     cause: str

@@ -153,14 +153,15 @@ def register(client) -> None:
     _registered.add(client)
 
 
-async def _notice_here(attempt_id: str, deadline: float, cause: str, dask_worker=None) -> int:
+async def _notice_here(attempt_id: str, deadline: float, cause: str, kind: str = "grow", dask_worker=None) -> int:
     host = dask_worker.plugins.get(RANK_HOST)
     sups = host.running(attempt_id) if host is not None else []
     for sup in sups:
-        sup.notice(Notice(deadline, cause, "", "grow"))
+        sup.notice(Notice(deadline, cause, "", kind))
     return len(sups)
 
 
-def notify(client, attempt_id: str, addresses: list[str], cause: str, grace: float) -> None:
-    """From the client: ask every rank of ``attempt_id`` to save and stop (the job grows)."""
-    client.run(_notice_here, attempt_id, time.time() + grace, cause, workers=list(addresses), on_error="ignore")
+def notify(client, attempt_id: str, addresses: list[str], cause: str, grace: float, kind: str = "grow") -> None:
+    """From the client: ask every rank of ``attempt_id`` to save and stop at an agreed step (``kind``: ``grow``,
+    the job grows; ``stop``, the job ends there)."""
+    client.run(_notice_here, attempt_id, time.time() + grace, cause, kind, workers=list(addresses), on_error="ignore")
