@@ -51,7 +51,8 @@ def write_shards(source: Any, url: str | os.PathLike, *, shard_size: int | str =
         ``"target"``; default -1) and optionally ``"key"`` and ``"ext"``; or a tuple ``(bytes, class)``.
     url : fsspec URL or local folder to write to.
     shard_size : about this many bytes per shard (``"128MB"``, ``"64MiB"`` or an int).
-    client : the Dask client whose workers do the work (default: the current one; without one, threads here).
+    client : the Dask client whose workers do the work (default: the current one; without one, or with
+        ``client=False``, threads in this process).
     storage_options, source_options : fsspec options of ``url`` and of a folder ``source``.
     progress : show a progress bar over the parts (tqdm).
     overwrite : rebuild even when ``url`` holds a complete build (else that build is returned as is).
@@ -138,7 +139,7 @@ def _run(tasks: list[tuple], out: str, opts: dict, client: Any, progress: bool) 
     client = client if client is not None else _current_client()
     bar = _bar(len(tasks), progress)
     try:
-        if client is None:
+        if not client:
             with ThreadPoolExecutor(4) as pool:
                 futs = [pool.submit(_part, fn, i, arg, out, opts) for fn, i, arg in tasks]
                 for f in futs:
@@ -157,6 +158,7 @@ def _run_on(client: Any, tasks: list[tuple], out: str, opts: dict, bar: Any) -> 
     from distributed import as_completed
 
     futures = client.compute([dask.delayed(_part, pure=False)(fn, i, arg, out, opts) for fn, i, arg in tasks])
+    futures = futures if isinstance(futures, list) else [futures]
     for _ in as_completed(futures):
         bar.update(1)
     return client.gather(futures)
@@ -181,15 +183,24 @@ def _part(fn: Any, i: int, arg: Any, out: str, opts: dict) -> tuple[dict, int]:
     """One part on a worker: ``(its record, 1 if an earlier run had done it else 0)``."""
     fs, root = open_fs(out, opts)
     record_path = f"{root}/{PARTS}/part-{i:05d}.json"
+    tag = _tag(arg)
     if fs.exists(record_path):
         record = json.loads(fs.cat_file(record_path))
-        if all(fs.exists(f"{root}/{s['name']}") and fs.size(f"{root}/{s['name']}") == s["size"]
+        if record.get("tag") == tag and all(fs.exists(f"{root}/{s['name']}") and fs.size(f"{root}/{s['name']}") == s["size"]
                for s in record["shards"]):
             return record, 1
     shards, samples = fn(i, arg, fs, root, out)
-    record = {"part": i, "shards": shards, "samples": samples}
+    record = {"part": i, "tag": tag, "shards": shards, "samples": samples}
     fs.pipe_file(record_path, json.dumps(record).encode())  # after the tars: a record means they are complete
     return record, 0
+
+
+def _tag(arg: Any) -> str:
+    """What the part was planned to hold: a folder part's files and classes (a partition: its number only)."""
+    import hashlib
+
+    files = arg[2] if isinstance(arg, tuple) and len(arg) == 3 else None
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16] if files else ""
 
 
 def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[dict, list]:
