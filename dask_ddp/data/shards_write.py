@@ -179,9 +179,20 @@ def _bar(total: int, progress: bool) -> Any:
     return tqdm(total=total, desc="writing shards", unit="part", disable=not progress)
 
 
+_FS: dict = {}  # (pid, url, options) -> (filesystem, root): one per process, not one per part (s3fs: ~0.5 s each)
+
+
+def _open(url: str, opts: dict) -> tuple[Any, str]:
+    key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
+    if key not in _FS:
+        _FS.clear()
+        _FS[key] = open_fs(url, opts)
+    return _FS[key]
+
+
 def _part(fn: Any, i: int, arg: Any, out: str, opts: dict) -> tuple[dict, int]:
     """One part on a worker: ``(its record, 1 if an earlier run had done it else 0)``."""
-    fs, root = open_fs(out, opts)
+    fs, root = _open(out, opts)
     record_path = f"{root}/{PARTS}/part-{i:05d}.json"
     tag = _tag(arg)
     if fs.exists(record_path):
@@ -211,13 +222,24 @@ def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[di
 
 def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     src, opts, files = arg
-    sfs, sroot = open_fs(src, opts)
+    sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open_src(src, opts)
     with ThreadPoolExecutor(16) as pool:
         blobs = list(pool.map(lambda f: storage.call(lambda: sfs.cat_file(f"{sroot}/{f[0]}"), f"{src}/{f[0]}",
                                                       storage_options=opts), files))
     shard, samples = _write_tar(fs, root, out, f"shard-{i:05d}.tar",
                                 [(key, ext, blob, cls) for (_, key, ext, cls), blob in zip(files, blobs)])
     return [shard], samples
+
+
+_SRC: dict = {}
+
+
+def _open_src(url: str, opts: dict) -> tuple[Any, str]:
+    key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
+    if key not in _SRC:
+        _SRC.clear()
+        _SRC[key] = open_fs(url, opts)
+    return _SRC[key]
 
 
 def _write_records(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
