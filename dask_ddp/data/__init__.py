@@ -35,7 +35,8 @@ _HOME = {"S3ImageFolder": "image_folder", "FolderIndex": "image_folder", "ImageD
          "index_folder": "image_folder", "pil_loader": "image_folder", "write_shards": "shards_write",
          "StreamingDataset": "streaming", "StreamingLoader": "stream_loader", "ShardError": "shards_format",
          "SampleDecodeError": "streaming"}
-__all__ = list(_HOME)
+__all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader", "write_shards",
+           "StreamingDataset", "StreamingLoader", "ShardError", "SampleDecodeError"]
 
 
 def __getattr__(name: str) -> Any:

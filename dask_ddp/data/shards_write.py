@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from dask_ddp.data import storage
 from dask_ddp.data.folder_index import index_folder, normalize_root, open_fs
-from dask_ddp.data.shards_format import INDEX_NAME, IMAGE_EXTS, ShardIndex, crc32, pack_tar
+from dask_ddp.data.shards_format import IMAGE_EXTS, INDEX_NAME, ShardIndex, crc32, pack_tar
 
 __all__ = ["write_shards", "parse_size"]
 
@@ -113,7 +113,9 @@ def _plan_folder(src: str, size: int, opts: dict) -> tuple[list[tuple], list]:
     files.sort(key=lambda f: (cls_of[f[0].split("/", 1)[0]], f[0]))
     if not files:
         raise FileNotFoundError(f"{storage.redact(src, opts)} has no images in class folders: nothing to shard")
-    tasks, part, total, used = [], [], 0, set()
+    tasks: list[tuple] = []
+    part: list[tuple] = []
+    total, used = 0, set[str]()
     for rel, n in files:
         key = _key(rel, used)
         part.append((rel, key, rel.rsplit(".", 1)[-1].lower(), cls_of[rel.split("/", 1)[0]]))
@@ -197,8 +199,8 @@ def _part(fn: Any, i: int, arg: Any, out: str, opts: dict) -> tuple[dict, int]:
     tag = _tag(arg)
     if fs.exists(record_path):
         record = json.loads(fs.cat_file(record_path))
-        if record.get("tag") == tag and all(fs.exists(f"{root}/{s['name']}") and fs.size(f"{root}/{s['name']}") == s["size"]
-               for s in record["shards"]):
+        if record.get("tag") == tag and all(fs.exists(path := f"{root}/{s['name']}") and fs.size(path) == s["size"]
+                                            for s in record["shards"]):
             return record, 1
     shards, samples = fn(i, arg, fs, root, out)
     record = {"part": i, "tag": tag, "shards": shards, "samples": samples}
@@ -247,7 +249,10 @@ def _write_records(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[li
     if hasattr(records, "to_dict"):  # a pandas partition of a Dask DataFrame
         records = records.to_dict("records")
     items = [_item(r, i, k) for k, r in enumerate(records)]
-    shards, samples, chunk, total = [], [], [], 0
+    shards: list[dict] = []
+    samples: list[list] = []
+    chunk: list[tuple] = []
+    total = 0
     for item in items + [None]:
         if item is None or (chunk and total + len(item[2]) > size):
             if chunk:

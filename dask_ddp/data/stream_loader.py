@@ -88,7 +88,8 @@ class StreamingLoader:
     rank, world_size : default: torch.distributed's, else ``RANK``/``WORLD_SIZE``, else 0 of 1.
     name : the key its position is saved under in checkpoints (default ``"stream"``: one loader; give each
         loader of a job its own name).
-    dataloader_kwargs : passed to torch's DataLoader (``pin_memory``, ``prefetch_factor``, ``multiprocessing_context``...).
+    dataloader_kwargs : passed to torch's DataLoader (``pin_memory``, ``prefetch_factor``,
+        ``multiprocessing_context``, ...).
 
     After each batch, ``batch_keys`` (its samples' keys on this rank), ``batch_real`` (how many are not
     padding) and ``step`` (the step in the epoch) describe it; ``skipped`` counts samples skipped for decode errors.
