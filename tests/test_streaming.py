@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import dask_ddp
-from dask_ddp.data import SampleDecodeError, ShardError, StreamingDataset, stream_state, write_shards
+from dask_ddp.data import SampleDecodeError, ShardDataError, StreamingDataset, stream_state, write_shards
 from dask_ddp.data.stream_order import epoch_order
 
 N = 101  # a prime: no batch size or world size divides it
@@ -250,14 +250,14 @@ def test_bad_input_names_the_shard_and_the_sample(shards, tmp_path):
     data = bytearray((bad / first).read_bytes())
     data[600] ^= 0xFF
     (bad / first).write_bytes(bytes(data))
-    with pytest.raises(ShardError, match=f"{first} is corrupt") as err:
+    with pytest.raises(ShardDataError, match=f"{first} is corrupt") as err:
         ds[0]
     assert err.value.shard.endswith(first)
     (bad / first).write_bytes(bytes(data[:2000]))
-    with pytest.raises(ShardError, match=f"{first} is truncated"):
+    with pytest.raises(ShardDataError, match=f"{first} is truncated"):
         StreamingDataset(str(bad), shuffle=False)[0]
     (bad / "index.json").write_text('{"format": "dask-ddp-shards/1", "shards": []}')
-    with pytest.raises(ShardError, match="not a valid shard index"):
+    with pytest.raises(ShardDataError, match="not a valid shard index"):
         StreamingDataset(str(bad))
     # a sample that fails to decode: raise naming it, or skip and count
     tars = tmp_path / "wds"

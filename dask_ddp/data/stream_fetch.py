@@ -5,7 +5,7 @@ Runs in: the rank process and its DataLoader workers (one :class:`ShardFetcher` 
 A whole-shard GET is the fast path on object stores (moto serves one large object at ~470 MiB/s and
 8 MiB ranged GETs at a tenth of that); the next shards a reader will need are fetched in a background
 thread pool while it decodes the current ones. Every shard is checked against the index's size and CRC-32:
-a truncated or corrupt one raises :class:`ShardError` naming it.
+a truncated or corrupt one raises :class:`ShardDataError` naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 from dask_ddp.data import storage
-from dask_ddp.data.shards_format import ShardError, crc32
+from dask_ddp.data.shards_format import ShardDataError, crc32
 from dask_ddp.data.stream_cache import ShardCache
 
 __all__ = ["ShardFetcher", "TRANSIENT_CODES"]
@@ -59,7 +59,10 @@ class ShardFetcher:
                 self.futures.popitem(last=False)  # the oldest: a later get() fetches it again
 
     def get(self, j: int) -> bytes:
-        """Shard ``j``'s bytes. Raises ShardError (corrupt, truncated), FileNotFoundError, PermissionError, OSError."""
+        """Shard ``j``'s bytes.
+
+        Raises ShardDataError (corrupt, truncated), FileNotFoundError, PermissionError, OSError (after retries).
+        """
         with self.lock:
             fut = self.futures.get(j)
             if fut is None:
@@ -100,7 +103,7 @@ class ShardFetcher:
         else:
             return True
         if raise_:
-            raise ShardError(f"shard {self.url(j)} {problem}; rebuild the dataset with write_shards (or re-copy "
+            raise ShardDataError(f"shard {self.url(j)} {problem}; rebuild the dataset with write_shards (or re-copy "
                              "the shard), and check that the index and the shards come from the same build",
                              shard=self.url(j))
         return False
