@@ -51,6 +51,12 @@ def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
         assert crc32((cache / name).read_bytes()) == index.crcs[names[name]], f"{name} is incomplete"
     assert sum(os.path.getsize(cache / n) for n in os.listdir(cache)) <= 40_000 + max(index.sizes)
     assert os.listdir(cache), "the cache was never written: the test tests nothing"
+    from dask_ddp.data.stream_cache import ShardCache
+
+    claims = [ShardCache(cache, 40_000).claim(name) for name in names]  # no claim outlived its killed process
+    assert all(c is not None for c in claims)
+    for c in claims:
+        c.close()
 
 
 def shard_name(index: ShardIndex, root: str, j: int) -> str:

@@ -85,13 +85,27 @@ class ShardFetcher:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _load(self, j: int) -> bytes:
-        name = ShardCache.name(self.url(j), self.sizes[j], self.crcs[j]) if self.cache else ""
-        if self.cache and (data := self.cache.get(name)) is not None and self._ok(j, data, raise_=False):
+        if not self.cache or self.cache.broken:
+            return self._checked(j)
+        cache, name = self.cache, ShardCache.name(self.url(j), self.sizes[j], self.crcs[j])
+        if (data := cache.get(name)) is not None and self._ok(j, data, raise_=False):
             return data
+        claim = cache.claim(name)  # one process of the host downloads a shard; the others read the cache
+        if claim is None:
+            data, claim = cache.wait_for(name)
+            if data is not None and self._ok(j, data, raise_=False):
+                return data
+        try:
+            data = self._checked(j)
+            cache.put(name, data)
+        finally:
+            if claim is not None:
+                claim.close()
+        return data
+
+    def _checked(self, j: int) -> bytes:
         data = self._fetch(j)
         self._ok(j, data, raise_=True)
-        if self.cache:
-            self.cache.put(name, data)
         return data
 
     def _ok(self, j: int, data: bytes, raise_: bool) -> bool:

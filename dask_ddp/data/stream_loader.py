@@ -103,6 +103,9 @@ class StreamingLoader:
     def __init__(self, dataset: Any, batch_size: int, *, num_workers: int = 0, policy: str = "drop_last",
                  collate_fn: Callable | None = None, rank: int | None = None, world_size: int | None = None,
                  name: str = "stream", **dataloader_kwargs: Any) -> None:
+        if dataloader_kwargs.get("in_order", True) is not True:
+            raise ValueError("StreamingLoader counts the batches it hands out in step order: in_order=False would "
+                             "lose that count; leave in_order out")
         r, w = _world()
         self.dataset, self.batch_size, self.num_workers, self.policy = dataset, int(batch_size), num_workers, policy
         self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)
