@@ -47,16 +47,17 @@ class _EpochStream(torch.utils.data.IterableDataset):
         picks = [(s, *plan.positions(s)) for s in steps]
         ids = [order[pos] for _, pos, _ in picks]
         shard_seq = _first_uses(np.concatenate(ids) if ids else np.zeros(0, np.int64), ds.index.shard)
-        fetcher, ahead = ds.fetcher, max(1, ds.prefetch)
+        fetcher, ahead, shard_of, keys = ds.fetcher, max(1, ds.prefetch), ds.columns["shard"], ds.index.keys
         try:
             seen = 0
             for (step, _, real), sample_ids in zip(picks, ids):
-                need = list(dict.fromkeys(int(ds.index.shard[i]) for i in sample_ids))
+                need = list(dict.fromkeys(shard_of[i] for i in sample_ids.tolist()))
                 while seen < len(shard_seq) and shard_seq[seen] in need:
                     seen += 1
                 fetcher.prefetch(need + shard_seq[seen:seen + ahead])
-                items = [ds.load(int(i)) for i in sample_ids]
-                kept = [(it, str(ds.index.keys[i]), k < real) for k, (it, i) in enumerate(zip(items, sample_ids))
+                blobs = {j: fetcher.get(j) for j in need}
+                items = [ds.load(i, blobs[shard_of[i]]) for i in sample_ids.tolist()]
+                kept = [(it, keys[i], k < real) for k, (it, i) in enumerate(zip(items, sample_ids.tolist()))
                         if it is not None]
                 batch = self.collate([it for it, _, _ in kept]) if kept else None
                 yield batch, [k for _, k, _ in kept], sum(r for _, _, r in kept), len(items) - len(kept), step

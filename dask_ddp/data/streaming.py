@@ -95,6 +95,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         self._check_grouped()
         self._fetcher: ShardFetcher | None = None
         self._pid: int | None = None
+        self._columns: dict[str, list] | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -115,6 +116,13 @@ class StreamingDataset(torch.utils.data.Dataset):
         return StreamingLoader(self, batch_size, **kwargs)
 
     @property
+    def columns(self) -> dict[str, list]:
+        """The index's ``shard``, ``offset``, ``length`` and ``classes`` as lists of ints (fast per-sample lookups)."""
+        if self._columns is None:
+            self._columns = {c: getattr(self.index, c).tolist() for c in ("shard", "offset", "length", "classes")}
+        return self._columns
+
+    @property
     def fetcher(self) -> Any:
         """This process's shard fetcher, made on first use (a forked child makes its own)."""
         if self._fetcher is None or self._pid != os.getpid():
@@ -130,10 +138,10 @@ class StreamingDataset(torch.utils.data.Dataset):
 
         Raises SampleDecodeError (``on_error="raise"``), ShardDataError, OSError as the fetch does.
         """
-        idx = self.index
-        j = int(idx.shard[i])
+        idx, cols = self.index, self.columns
+        j = cols["shard"][i]
         data = shard_bytes if shard_bytes is not None else self.fetcher.get(j)
-        o, n = int(idx.offset[i]), int(idx.length[i])
+        o, n = cols["offset"][i], cols["length"][i]
         blob = data[o:o + n]
         try:
             if len(blob) != n:
@@ -141,7 +149,7 @@ class StreamingDataset(torch.utils.data.Dataset):
             sample = self.decoder(blob, idx.ext[i])
             if self.transform is not None:
                 sample = self.transform(sample)
-            target = int(idx.classes[i])
+            target = cols["classes"][i]
             if self.target_transform is not None:
                 target = self.target_transform(target)
         except Exception as err:  # noqa: BLE001 - named below, raised or skipped as asked
@@ -157,7 +165,7 @@ class StreamingDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_fetcher=None, _pid=None)
+        state.update(_fetcher=None, _pid=None, _columns=None)
         return state
 
     def _read_index(self) -> ShardIndex:
