@@ -303,3 +303,28 @@ def test_resume_from_s3_streams_within_5_s_without_rereading(s3, tmp_path):
     assert took < 5.0 and len(rest) == 25 - 15 - 1
     assert fresh.fetcher.bytes_read < 0.6 * total  # what the first 60 samples needed is not read again
     assert s3fs  # the endpoint above is moto's
+
+
+class SlowDown(OSError):
+    code = "SlowDown"  # what storage.error_code reads: S3's throttling answer (moto cannot throttle on demand)
+
+
+def test_throttled_reads_are_retried_with_backoff_then_named(shards, caplog):
+    url, _ = shards
+    ds = StreamingDataset(url, shuffle=False, transform=to_tensor, retries=3)
+    real, calls = ds.fetcher.fs.cat_file, []
+
+    def throttled(path, *a, **kw):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise SlowDown("Please reduce your request rate")
+        return real(path, *a, **kw)
+
+    ds.fetcher.fs.cat_file = throttled
+    assert ds[0][1] == int(ds.index.classes[0]) and len(calls) == 3
+    assert "retrying shard" in caplog.text
+    ds = StreamingDataset(url, shuffle=False, retries=1)
+    ds.fetcher.fs.cat_file = lambda path, *a, **kw: (_ for _ in ()).throw(SlowDown("Please reduce"))
+    with pytest.raises(SlowDown) as err:
+        ds[0]
+    assert any(ds.index.shards[0] in note and "attempt 2 of 2" in note for note in err.value.__notes__)
