@@ -4,9 +4,11 @@ Usage: python stream_killer.py SHARDS_URL CACHE_DIR CYCLES PIDS_FILE. The parent
 cycle forks a child that streams with a node cache (a limit below the dataset's size, so files are
 written and evicted all the time), 0 or 2 DataLoader workers, and is killed with SIGKILL once it has
 handed out a few batches. Every pid that ever streamed (children and their DataLoader workers) is written
-to PIDS_FILE, one a line; the parent prints ``done N`` at the end.
+to PIDS_FILE, one a line; at the end the parent waits for them all to be gone, prints ``shm: [...]`` (the
+entries of /dev/shm: the test runs it with a private /dev/shm where it can) and ``done N``.
 """
 
+import json
 import os
 import signal
 import sys
@@ -60,7 +62,20 @@ def main() -> None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
+    deadline = time.monotonic() + 60  # orphaned DataLoader workers notice their parent's death and exit
+    pids = {int(p) for p in open(pids_file).read().split()}
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print("shm:", json.dumps(sorted(os.listdir("/dev/shm"))), flush=True)
     print(f"done {cycles}", flush=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

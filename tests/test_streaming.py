@@ -132,6 +132,9 @@ def test_write_shards_from_a_bag(client, tmp_path):
                      client=client, progress=False)
     assert s["samples"] == 30 and s["shards"] > 3
     check_records(tmp_path / "bag", samples)
+    here = write_shards(db.from_sequence(samples, npartitions=2), str(tmp_path / "here"), client=False, progress=False)
+    assert here["samples"] == 30  # without a cluster: threads here, each partition computed first
+    check_records(tmp_path / "here", samples)
 
 
 def test_write_shards_from_a_dataframe(client, tmp_path):

@@ -143,7 +143,7 @@ def _run(tasks: list[tuple], out: str, opts: dict, client: Any, progress: bool) 
     try:
         if not client:
             with ThreadPoolExecutor(4) as pool:
-                futs = [pool.submit(_part, fn, i, arg, out, opts) for fn, i, arg in tasks]
+                futs = [pool.submit(_part_here, fn, i, arg, out, opts) for fn, i, arg in tasks]
                 for f in futs:
                     f.result()
                     bar.update(1)
@@ -164,6 +164,13 @@ def _run_on(client: Any, tasks: list[tuple], out: str, opts: dict, bar: Any) -> 
     for _ in as_completed(futures):
         bar.update(1)
     return client.gather(futures)
+
+
+def _part_here(fn: Any, i: int, arg: Any, out: str, opts: dict) -> tuple[dict, int]:
+    """:func:`_part` without a cluster: a partition of a bag or DataFrame is computed here first."""
+    import dask
+
+    return _part(fn, i, dask.compute(arg, scheduler="sync")[0], out, opts)
 
 
 def _current_client() -> Any:

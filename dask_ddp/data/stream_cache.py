@@ -30,7 +30,7 @@ _PART = re.compile(r"^\.part-(\d+)-")
 
 
 class ShardCache:
-    """Whole shards on local disk under ``folder``, at most ``limit`` bytes in all (approximately: one shard over)."""
+    """Whole shards on local disk under ``folder``, at most ``limit`` bytes in all (plus the shards being written)."""
 
     def __init__(self, folder: str | os.PathLike, limit: int) -> None:
         self.folder, self.limit = os.path.expanduser(os.fspath(folder)), int(limit)
@@ -38,6 +38,7 @@ class ShardCache:
         try:
             os.makedirs(self.folder, exist_ok=True)
             self._remove_orphans()
+            self._evict()  # a process killed between its write and its eviction may have left it over the limit
         except OSError as err:
             self._switch_off(err)
 
