@@ -277,6 +277,14 @@ def test_bad_input_names_the_shard_and_the_sample(shards, tmp_path):
     loader = StreamingDataset(str(tars), shuffle=False, transform=to_tensor, on_error="skip").loader(3)
     batches = list(loader)
     assert len(batches) == 1 and batches[0][0].shape[0] == 2 and loader.skipped == 1
+    (tars / "b").mkdir()
+    with tarfile.open(tars / "b" / "b.tar", "w") as tar:
+        for key in ("bad1", "bad2"):
+            info = tarfile.TarInfo(f"{key}.jpg")
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"bad"))
+    with pytest.raises(ShardDataError, match="every sample of step 0 on rank 0 failed to decode"):
+        list(StreamingDataset(str(tars / "b"), on_error="skip").loader(2))
 
 
 def test_resume_from_s3_streams_within_5_s_without_rereading(s3, tmp_path):

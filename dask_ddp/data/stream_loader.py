@@ -19,6 +19,7 @@ import numpy as np
 import torch.utils.data
 
 from dask_ddp.data import stream_state
+from dask_ddp.data.shards_format import ShardDataError
 from dask_ddp.data.stream_order import Plan, epoch_order
 
 __all__ = ["StreamingLoader"]
@@ -59,7 +60,11 @@ class _EpochStream(torch.utils.data.IterableDataset):
                 items = [ds.load(i, blobs[shard_of[i]]) for i in sample_ids.tolist()]
                 kept = [(it, keys[i], k < real) for k, (it, i) in enumerate(zip(items, sample_ids.tolist()))
                         if it is not None]
-                batch = self.collate([it for it, _, _ in kept]) if kept else None
+                if not kept:
+                    raise ShardDataError(f"every sample of step {step} on rank {plan.rank} failed to decode and was "
+                                         f"skipped ({[keys[i] for i in sample_ids.tolist()][:4]}...): check the shards "
+                                         "and the decoder")
+                batch = self.collate([it for it, _, _ in kept])
                 yield batch, [k for _, k, _ in kept], sum(r for _, _, r in kept), len(items) - len(kept), step
         finally:
             if info is not None:
