@@ -10,8 +10,14 @@ they share (:mod:`.storage`).
 
 May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 
+Streaming (issue 28): shards written on the cluster (:mod:`.shards_write`, format :mod:`.shards_format`),
+read by ``StreamingDataset`` (:mod:`.streaming`, fetching through :mod:`.stream_fetch` and the node cache
+:mod:`.stream_cache`) and its ``StreamingLoader`` (:mod:`.stream_loader`, order :mod:`.stream_order`),
+whose positions checkpoints carry (:mod:`.stream_state`).
+
 The public names are ``dask_ddp.data.S3ImageFolder``, ``FolderIndex``, ``ImageDecodeError``,
-``index_folder`` and ``pil_loader``; they are imported on first use (torchvision takes
+``index_folder``, ``pil_loader``, ``write_shards``, ``StreamingDataset``, ``StreamingLoader``,
+``ShardError`` and ``SampleDecodeError``; they are imported on first use (torchvision takes
 seconds to import, and :mod:`.checkpoint` and :mod:`.storage` must not pay for it).
 """
 
@@ -20,13 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
     from dask_ddp.data.image_folder import FolderIndex, ImageDecodeError, S3ImageFolder, index_folder, pil_loader
+    from dask_ddp.data.shards_format import ShardError
+    from dask_ddp.data.shards_write import write_shards
+    from dask_ddp.data.stream_loader import StreamingLoader
+    from dask_ddp.data.streaming import SampleDecodeError, StreamingDataset
 
-__all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
+_HOME = {"S3ImageFolder": "image_folder", "FolderIndex": "image_folder", "ImageDecodeError": "image_folder",
+         "index_folder": "image_folder", "pil_loader": "image_folder", "write_shards": "shards_write",
+         "StreamingDataset": "streaming", "StreamingLoader": "stream_loader", "ShardError": "shards_format",
+         "SampleDecodeError": "streaming"}
+__all__ = list(_HOME)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        value = getattr(importlib.import_module(f"{__name__}.image_folder"), name)
+    if name in _HOME:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

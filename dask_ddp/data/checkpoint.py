@@ -37,7 +37,7 @@ import time
 import uuid
 from typing import Any, NamedTuple, Sequence
 
-from dask_ddp.data import storage
+from dask_ddp.data import storage, stream_state  # stream_state: the streaming loaders' positions ride along
 from dask_ddp.wire.errors import DaskDDPError, NotInRankError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
@@ -241,7 +241,7 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
         return None
     import torch
 
-    torch.save(state, buffer := io.BytesIO())  # may raise half-way: nothing is written yet
+    torch.save(stream_state.with_streams(state), buffer := io.BytesIO())  # may raise half-way: nothing written
     data = buffer.getvalue()
     rank, world = (where.rank, where.world_size) if all_ranks else (None, None)
     payload = _name(step, rank, world, "pt")
@@ -326,7 +326,7 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
                 raise FileNotFoundError(f"{where.url_of(name)} is missing although its .done marker "
                                         "exists: delete the marker, or load another step=...") from None
             continue  # pruned by a writer between listing and reading: list again
-        return _deserialize(data, where.url_of(name), map_location, weights_only)
+        return stream_state.take(_deserialize(data, where.url_of(name), map_location, weights_only))
     return None  # not reached: the third miss raises above
 
 

@@ -30,7 +30,7 @@ import time
 import warnings
 
 from dask_ddp.data import checkpoint as _ckpt
-from dask_ddp.data import dcp_reader, dcp_storage, sharded_async, sharded_folder, sharded_state
+from dask_ddp.data import dcp_reader, dcp_storage, sharded_async, sharded_folder, sharded_state, stream_state
 
 __all__ = ["save_sharded", "load_sharded", "list_sharded", "wait_sharded"]
 
@@ -82,7 +82,7 @@ def save_sharded(state: dict, step: int, *, directory: str | None = None, keep: 
     waited = sharded_async.wait_previous()
     where = _ckpt._where(directory, storage_options)
     started = time.perf_counter()
-    flat = sharded_state.to_save(state)
+    flat = sharded_state.to_save(stream_state.with_streams(state))  # the streaming loaders' positions ride along
     sharded_state.check_agreement(flat, sharded_async.control_group())
     if async_save:
         staged = sharded_async.stage(flat)
@@ -167,6 +167,7 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
         return None
     with sharded_folder.lease(where, found) if where.rank == 0 else contextlib.nullcontext():
         metadata = sharded_state.on_rank_zero(lambda: sharded_folder.read_metadata(where, found), group)
+        stream_state.add_slot(state, metadata)
         flat, extras = sharded_state.to_load(state)
         sharded_state.check_against(flat, extras, metadata, found.url)
         reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{found.folder}", found.url,
@@ -179,6 +180,7 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
             loaded = sharded_state.run_dcp(lambda: sharded_state.load_extras(extras, reader, group, no_dist),
                                            "loading", found.step)
     sharded_state.apply(state, flat, loaded)
+    stream_state.take(state)
     return found.step
 
 

@@ -1,0 +1,143 @@
+"""A node-local cache of whole shards, bounded in bytes, shared by every process of a host, leaving nothing behind.
+
+Runs in: the rank process and its DataLoader workers.
+
+Files are content-addressed (a hash of the shard's URL, size and CRC-32), so two jobs or users reading
+the same shard share one file and different shards never collide. A file is written unnamed
+(``O_TMPFILE``) and linked into place once complete: a process killed mid-write leaves no temporary file,
+because there is none to leave (where the filesystem lacks ``O_TMPFILE``, a ``.part-<pid>-...`` file is
+used and removed on the next start when its process is gone). No lock file and no shared-memory segment
+is ever made. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a
+file open keeps its bytes until it closes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import re
+
+__all__ = ["ShardCache"]
+
+logger = logging.getLogger("dask_ddp.data")
+_PART = re.compile(r"^\.part-(\d+)-")
+
+
+class ShardCache:
+    """Whole shards on local disk under ``folder``, at most ``limit`` bytes in all (approximately: one shard over)."""
+
+    def __init__(self, folder: str | os.PathLike, limit: int) -> None:
+        self.folder, self.limit = os.path.expanduser(os.fspath(folder)), int(limit)
+        self.broken = False
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            self._remove_orphans()
+        except OSError as err:
+            self._switch_off(err)
+
+    @staticmethod
+    def name(url: str, size: int, crc: int) -> str:
+        """The cache file's name for a shard: a hash of its URL, size and CRC-32; raises nothing."""
+        return hashlib.sha256(f"{url}\0{size}\0{crc}".encode()).hexdigest()[:40] + ".tar"
+
+    def get(self, name: str) -> bytes | None:
+        """The cached bytes, or None (not cached, or the cache is off); raises nothing."""
+        if self.broken:
+            return None
+        path = os.path.join(self.folder, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)  # recently used: evicted last
+            return data
+        except OSError:
+            return None
+
+    def put(self, name: str, data: bytes) -> None:
+        """Store ``data`` under ``name`` (complete or not at all), then evict beyond the limit; raises nothing."""
+        if self.broken or len(data) > self.limit:
+            return
+        try:
+            self._write(os.path.join(self.folder, name), data)
+            self._evict()
+        except OSError as err:
+            self._switch_off(err)
+
+    def _write(self, path: str, data: bytes) -> None:
+        try:
+            fd = os.open(self.folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+        except (OSError, AttributeError):  # no O_TMPFILE here: a named part file, cleaned up by the next start
+            part = os.path.join(self.folder, f".part-{os.getpid()}-{os.urandom(4).hex()}")
+            try:
+                with open(part, "xb") as f:
+                    f.write(data)
+                os.replace(part, path)
+            finally:
+                if os.path.exists(part):
+                    os.unlink(part)
+            return
+        try:
+            _write_all(fd, data)
+            folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:  # dst_dir_fd: CPython then calls linkat(..., AT_SYMLINK_FOLLOW), which links the unnamed file
+                os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
+            except FileExistsError:
+                pass  # another process cached the same shard: same content
+            finally:
+                os.close(folder)
+        finally:
+            os.close(fd)
+
+    def _evict(self) -> None:
+        entries = []
+        with os.scandir(self.folder) as it:
+            for e in it:
+                if e.name.endswith(".tar"):
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    entries.append((st.st_mtime, st.st_size, e.path))
+        total = sum(s for _, s, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.limit:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            total -= size
+
+    def _remove_orphans(self) -> None:
+        """Remove ``.part-<pid>-`` files whose process is gone (only where O_TMPFILE is missing)."""
+        for name in os.listdir(self.folder):
+            m = _PART.match(name)
+            if m and not _alive(int(m[1])):
+                try:
+                    os.unlink(os.path.join(self.folder, name))
+                except OSError:
+                    pass
+
+    def _switch_off(self, err: OSError) -> None:
+        self.broken = True
+        logger.warning("the shard cache in %s is off for this process (%s: %s): reading from the store instead",
+                       self.folder, type(err).__name__, err)
+
+    def __repr__(self) -> str:
+        return f"ShardCache({self.folder!r}, limit={self.limit})"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as err:
+        return err.errno == errno.EPERM
+    return True

@@ -1,0 +1,203 @@
+"""``StreamingDataset``: samples packed in tar shards (ours or WebDataset's), read whole from any fsspec URL.
+
+Runs in: the rank process and its DataLoader workers (the dataset pickles as values: its filesystem,
+fetcher and cache are opened lazily in each process).
+
+Use :meth:`StreamingDataset.loader` (a :class:`~dask_ddp.data.stream_loader.StreamingLoader`) for training:
+it yields whole batches in the epoch's global order (:mod:`.stream_order`), the same on every world size,
+and knows its place in the epoch, which dask-ddp's checkpoints carry (:mod:`.stream_state`). The dataset
+is also a plain map-style torch dataset (``dataset[i]``) for a ``DataLoader`` with any sampler.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch.utils.data
+
+from dask_ddp.data import storage
+from dask_ddp.data.folder_index import normalize_root, open_fs
+from dask_ddp.data.shards_format import INDEX_NAME, ShardError, ShardIndex, crc32, scan_tar
+from dask_ddp.data.stream_cache import ShardCache
+from dask_ddp.data.stream_fetch import ShardFetcher
+
+__all__ = ["StreamingDataset", "SampleDecodeError"]
+
+logger = logging.getLogger("dask_ddp.data")
+ON_ERROR = ("raise", "skip")
+
+
+class SampleDecodeError(ShardError):
+    """A sample's bytes could not be decoded (or transformed); names the shard and the sample's key."""
+
+
+def _decode(data: bytes, ext: str) -> Any:
+    from dask_ddp.data.image_folder import pil_loader
+
+    return pil_loader(io.BytesIO(data)) if ext != "cls" else data
+
+
+class StreamingDataset(torch.utils.data.Dataset):
+    """A dataset of tar shards at ``url``: our ``index.json`` (from :func:`write_shards`) or WebDataset tars.
+
+    Parameters
+    ----------
+    url : fsspec URL or local folder holding ``index.json`` and its shards, or ``*.tar`` WebDataset shards
+        (then indexed once, here, by reading their headers).
+    shuffle, seed : the epoch's order (see :mod:`dask_ddp.data.stream_order`); the same seed and epoch give
+        the same global order at any world size and number of DataLoader workers.
+    transform, target_transform : applied to the decoded sample and to its class.
+    decoder : ``decoder(data: bytes, ext: str)`` -> sample; default: PIL, RGB (as ``ImageFolder``).
+    cache_dir, cache_limit : a node-local cache of whole shards shared by every process of a host
+        (:class:`~dask_ddp.data.stream_cache.ShardCache`), at most ``cache_limit`` bytes; None: no cache.
+    storage_options : fsspec options (s3: ``key``, ``secret``, ``client_kwargs``).
+    buffer : the in-buffer shuffle's window, in samples.
+    on_error : ``"raise"`` a :class:`SampleDecodeError` for a sample that fails to decode, or ``"skip"`` it
+        (counted in the loader's ``skipped``).
+    retries : attempts after a throttled or failed GET, with exponential backoff.
+    prefetch : shards fetched ahead in background threads.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such URL, or neither ``index.json`` nor ``*.tar`` files there (the message names it).
+    ShardError
+        The index is not valid, or a WebDataset tar is corrupt or truncated (named).
+    PermissionError
+        The credentials were refused (the URL named, never the secret).
+    ValueError
+        Bad ``on_error``, ``cache_limit``, ``buffer``, ``seed``.
+    """
+
+    def __init__(self, url: str | os.PathLike, *, shuffle: bool = True, seed: int = 0,
+                 transform: Callable | None = None, target_transform: Callable | None = None,
+                 decoder: Callable[[bytes, str], Any] | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int = 16 << 30, storage_options: Mapping[str, Any] | None = None,
+                 buffer: int = 4096, on_error: str = "raise", retries: int = 5, prefetch: int = 4) -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if cache_limit < 0 or buffer < 1 or seed < 0 or retries < 0 or prefetch < 0:
+            raise ValueError(f"cache_limit, seed, retries, prefetch must be >= 0 and buffer >= 1, got {cache_limit}, "
+                             f"{seed}, {retries}, {prefetch}, {buffer}")
+        self.url, self.storage_options = normalize_root(url), dict(storage_options or {})
+        self.shuffle, self.seed, self.buffer, self.on_error = shuffle, seed, buffer, on_error
+        self.transform, self.target_transform, self.decoder = transform, target_transform, decoder or _decode
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.cache_limit, self.retries, self.prefetch = int(cache_limit), retries, prefetch
+        self.index = self._read_index()
+        self.shard_sizes = np.bincount(self.index.shard, minlength=len(self.index.shards))
+        self._check_grouped()
+        self._fetcher: ShardFetcher | None = None
+        self._pid: int | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """The index's fingerprint (what a saved position belongs to)."""
+        return self.index.fingerprint
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        """``(sample, class)`` of sample ``i`` (fetches its whole shard, kept for the next samples)."""
+        return self.load(int(i))
+
+    def loader(self, batch_size: int, **kwargs: Any) -> Any:
+        """A :class:`~dask_ddp.data.stream_loader.StreamingLoader` over this dataset; arguments as there."""
+        from dask_ddp.data.stream_loader import StreamingLoader
+
+        return StreamingLoader(self, batch_size, **kwargs)
+
+    @property
+    def fetcher(self) -> ShardFetcher:
+        """This process's shard fetcher, made on first use (a forked child makes its own)."""
+        if self._fetcher is None or self._pid != os.getpid():
+            cache = ShardCache(self.cache_dir, self.cache_limit) if self.cache_dir else None
+            idx = self.index
+            self._fetcher = ShardFetcher(self.url, idx.shards, idx.sizes, idx.crcs, self.storage_options, cache,
+                                         retries=self.retries, threads=max(1, self.prefetch), keep=self.prefetch + 4)
+            self._pid = os.getpid()
+        return self._fetcher
+
+    def load(self, i: int, shard_bytes: bytes | None = None) -> Any:
+        """Sample ``i`` decoded and transformed, as ``(sample, class)``; None when skipped (``on_error="skip"``).
+
+        Raises SampleDecodeError (``on_error="raise"``), ShardError, OSError as the fetch does.
+        """
+        idx = self.index
+        j = int(idx.shard[i])
+        data = shard_bytes if shard_bytes is not None else self.fetcher.get(j)
+        o, n = int(idx.offset[i]), int(idx.length[i])
+        blob = data[o:o + n]
+        try:
+            if len(blob) != n:
+                raise EOFError(f"{n} bytes expected at offset {o}, the shard has {len(data)}")
+            sample = self.decoder(blob, idx.ext[i])
+            if self.transform is not None:
+                sample = self.transform(sample)
+            target = int(idx.classes[i])
+            if self.target_transform is not None:
+                target = self.target_transform(target)
+        except Exception as err:  # noqa: BLE001 - named below, raised or skipped as asked
+            if self.on_error == "skip":
+                logger.warning("skipping sample %s of shard %s: %s: %s", idx.keys[i], self.fetcher.url(j),
+                               type(err).__name__, err)
+                return None
+            raise SampleDecodeError(
+                f"sample {idx.keys[i]!r} (#{i}) of shard {self.url}/{idx.shards[j]} failed to decode: "
+                f"{type(err).__name__}: {err}. Fix or drop it, or pass on_error='skip' to skip such samples",
+                shard=f"{self.url}/{idx.shards[j]}", key=idx.keys[i]) from err
+        return sample, target
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.update(_fetcher=None, _pid=None)
+        return state
+
+    def _read_index(self) -> ShardIndex:
+        fs, root = open_fs(self.url, self.storage_options)
+        path = f"{root.rstrip('/')}/{INDEX_NAME}"
+        try:
+            data = storage.call(lambda: fs.cat_file(path), f"{self.url}/{INDEX_NAME}", doing="reading the index",
+                                storage_options=self.storage_options)
+        except FileNotFoundError:
+            return self._scan_webdataset(fs, root)
+        return ShardIndex.from_json(data, f"{self.url}/{INDEX_NAME}")
+
+    def _scan_webdataset(self, fs: Any, root: str) -> ShardIndex:
+        try:
+            names = sorted(p.rsplit("/", 1)[-1] for p in storage.call(
+                lambda: fs.ls(root, detail=False), self.url, doing="listing it", storage_options=self.storage_options)
+                if p.endswith(".tar"))
+        except FileNotFoundError:
+            names = []
+        if not names:
+            raise FileNotFoundError(f"{storage.redact(self.url, self.storage_options)} has no {INDEX_NAME} and no "
+                                    "*.tar shards (or does not exist): build shards with dask_ddp.data.write_shards, "
+                                    "or point at a folder of WebDataset tars")
+        with ThreadPoolExecutor(8) as pool:
+            blobs = list(pool.map(lambda n: fs.cat_file(f"{root.rstrip('/')}/{n}"), names))
+        cols: dict[str, list] = {k: [] for k in ("keys", "classes", "shard", "offset", "length", "ext")}
+        for j, (name, data) in enumerate(zip(names, blobs)):
+            for s in scan_tar(data, f"{self.url}/{name}"):
+                for col, v in (("keys", s["key"]), ("classes", s["cls"]), ("shard", j), ("offset", s["offset"]),
+                               ("length", s["length"]), ("ext", s["ext"])):
+                    cols[col].append(v)
+        return ShardIndex.build(names, [len(b) for b in blobs], [crc32(b) for b in blobs], **cols)
+
+    def _check_grouped(self) -> None:
+        """Samples are numbered shard after shard (the order's contract); raise ShardError otherwise."""
+        sh = self.index.shard
+        if len(sh) and np.any(np.diff(sh) < 0):
+            raise ShardError(f"{self.url}/{INDEX_NAME} does not list its samples shard after shard: rebuild it "
+                             "with write_shards", shard=f"{self.url}/{INDEX_NAME}")
+
+    def __repr__(self) -> str:
+        return (f"StreamingDataset({self.url!r}, samples={len(self)}, shards={len(self.index.shards)}, "
+                f"shuffle={self.shuffle}, seed={self.seed}" + (f", cache_dir={self.cache_dir!r})" if self.cache_dir
+                                                               else ")"))
