@@ -127,7 +127,10 @@ def _rank_main(system: str, rank: int, world: int, port: int, cfg: dict, out) ->
     """One rank: gloo group, the system's loader, ``cfg['epochs']`` timed epochs; results onto ``out``."""
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    # A spawned child inherits "spawn" as its default start method; a rank started by torchrun or dask-ddp has
+    # Linux's default, fork, and so do its DataLoader workers (each spawned worker would import torch in the epoch).
+    mp.set_start_method("fork", force=True)
+    os.environ.update(BENCH_S3_ENDPOINT=cfg["endpoint"], RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AWS_ENDPOINT_URL=cfg["endpoint"])
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
@@ -142,11 +145,19 @@ def _rank_main(system: str, rank: int, world: int, port: int, cfg: dict, out) ->
             out.put((rank, epoch, seen, start, time.time(), shape, None))
         dist.barrier()
     except BaseException as e:  # noqa: BLE001 - reported as this system's failure
-        last = traceback.extract_tb(e.__traceback__)[-1]
-        out.put((rank, -1, 0, 0.0, 0.0, None, f"{type(e).__name__}: {str(e)[:300]} ({last.filename.split('/')[-1]}:{last.lineno})"))
+        out.put((rank, -1, 0, 0.0, 0.0, None, _reason(e)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _reason(e: BaseException) -> str:
+    """One line for the table: the exception, with the last line of a DataLoader worker's traceback."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    last = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    where = f" ({last.filename.split('/')[-1]}:{last.lineno})" if last else ""
+    text = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "") if lines else ""
+    return f"{type(e).__name__}: {text[:400]}{where}"
 
 
 def run_ranks(system: str, cfg: dict) -> dict:
@@ -235,7 +246,7 @@ def build_all(cfg: dict, systems: list[str], report: dict) -> None:
             report["build"][system] = {"seconds": seconds, "shards": len(paths)}
             log(f"built {system}: {len(paths)} shards" + (f" in {seconds:.1f}s" if seconds else " (untimed)"))
         except BaseException as e:  # noqa: BLE001 - a failed peer is reported, the run goes on
-            report["errors"][system] = f"build: {type(e).__name__}: {str(e)[:300]}"
+            report["errors"][system] = f"build: {_reason(e)}"
             log(f"{system} build FAILED: {report['errors'][system]}")
 
 

@@ -123,7 +123,8 @@ def build_ours(cfg: dict) -> float:
         client.run(lambda: None)  # workers up before the clock starts
         start = time.perf_counter()
         write_shards(f"s3://{cfg['bucket']}/images", f"s3://{cfg['bucket']}/ours", shard_size=cfg["shard_bytes"],
-                     client=client, storage_options=cfg["storage_options"])
+                     client=client, storage_options=cfg["storage_options"],
+                     source_options=cfg["storage_options"], progress=False)
         return time.perf_counter() - start
 
 
@@ -170,9 +171,8 @@ def load_wds(cfg: dict, rank: int, world: int) -> tuple[Iterable, Callable[[int]
 
     import webdataset as wds
 
-    gopen = importlib.import_module("webdataset.gopen")  # the module (webdataset.gopen is also a function's name)
-    os.environ["BENCH_S3_ENDPOINT"] = cfg["endpoint"]
-    gopen.gopen_schemes["s3"] = _s3_gopen
+    # the module (webdataset.gopen is also a function's name); workers that are not forked import this module again
+    importlib.import_module("webdataset.gopen").gopen_schemes["s3"] = _s3_gopen
     urls = sorted(f"s3://{p}" for p in shard_paths(cfg, "wds"))
     ds = wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, empty_check=False,
                         cache_dir=os.path.join(cfg["cache"], "wds"), seed=0).shuffle(1000).to_tuple("jpg", "cls")
