@@ -72,7 +72,7 @@ def _items(cfg: dict) -> list[tuple[str, int]]:
 def _ld_item(item: tuple[str, int, str]) -> dict:
     """LitData ``optimize`` fn: read one source object from S3 (module-level: optimize spawns workers)."""
     key, label, endpoint = item
-    return {"image": fs(endpoint).cat_file(key), "label": label}
+    return {"image": fs(endpoint).cat_file(key, max_concurrency=1), "label": label}  # 1: no HEAD before the GET
 
 
 def build_litdata(cfg: dict) -> float:
