@@ -74,9 +74,11 @@ def render(report: dict) -> str:
         f"Machine: {os.cpu_count()} cpus, shared with other agents; load average (1 min) at start and per round: "
         + ", ".join(f"{x:.1f}" for x in report["load"]) + ".", "",
         f"Versions: {_versions()}.", "",
-        f"Data: {args.images:,} JPEGs of {args.size}x{args.size} in 10 classes, {report.get('total_bytes', 0) / 1e6:.1f} MB "
+        f"Data: {args.images:,} JPEGs of {args.size}x{args.size} in 10 classes, "
+        f"{report.get('total_bytes', 0) / 1e6:.1f} MB "
         f"({report.get('total_bytes', 0) / max(args.images, 1) / 1e3:.1f} KB each), shard size "
-        f"{report.get('shard_bytes', 0) / 1e6:.2f} MB for every system; moto S3 server on 127.0.0.1 in its own process. "
+        f"{report.get('shard_bytes', 0) / 1e6:.2f} MB for every system; moto S3 server on 127.0.0.1 in its own "
+        "process. "
         f"Readers: 2 ranks (gloo) x 2 DataLoader workers, batch {args.batch}, PIL decode + ToTensor in the workers; "
         f"{args.repeat} round(s), median first, then each round. The 2nd epoch reads each system's cache.", "",
         "### Shard build", "",
@@ -94,17 +96,21 @@ def render(report: dict) -> str:
             lines.append(f"| {NAMES[system]} | {_cell(report, system, 'cold')} | {_cell(report, system, 'warm')} | "
                          f"{_ratio(cold[system], cold.get(best)) if best else '-'} | {_ratio(cold[system], ceiling)} |")
     if "ceiling_of" in report:
-        lines += ["", f"The byte ceiling reads {report['ceiling_of']}'s shard objects: {report['ceiling_mbs']:.0f} MB/s "
+        lines += ["", f"The byte ceiling reads {report['ceiling_of']}'s shard objects: "
+                  f"{report['ceiling_mbs']:.0f} MB/s "
                   "in the last round, given as images/s (all images' shards / seconds)."]
     lines += ["", "### Goals (issue 28)", ""]
     builds = report["build"]
     speed = (builds["litdata"]["seconds"] / builds["ours"]["seconds"]
              if builds.get("ours", {}).get("seconds") and builds.get("litdata", {}).get("seconds") else None)
     lines += [
-        _goal("ours cold vs best peer cold", cold["ours"] / peers_cold[best] if cold.get("ours") and best else None, 1.5),
+        _goal("ours cold vs best peer cold",
+              cold["ours"] / peers_cold[best] if cold.get("ours") and best else None, 1.5),
         _goal("ours cold vs byte ceiling", cold["ours"] / ceiling if cold.get("ours") and ceiling else None, 0.9),
         _goal("shard build speed, ours vs LitData optimize (2 workers each)", speed, 2.0),
     ]
+    if report.get("notes"):
+        lines += ["", "### Notes", ""] + [f"- {n}" for n in report["notes"]]
     if report["errors"]:
         lines += ["", "### Failed", ""] + [f"- {NAMES[s].split(':')[0]}: {e}" for s, e in report["errors"].items()]
     missing = [s for s in report["systems"] if s not in rates and s not in report["errors"] and s not in builds]
