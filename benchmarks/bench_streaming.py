@@ -322,7 +322,8 @@ def main(argv=None) -> None:
     cfg = {"endpoint": endpoint, "bucket": "bench", "tmp": tmp, "n": args.images, "batch": args.batch, "workers": 2,
            "world": 2, "epochs": 2, "timeout": args.timeout,
            "storage_options": {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing", "secret": "testing"}}
-    report = {"build": {}, "errors": {}, "notes": [], "rates": {}, "seen": {}, "load": [os.getloadavg()[0]], "args": args,
+    report = {"build": {}, "errors": {}, "notes": [], "rates": {}, "seen": {}, "load": [os.getloadavg()[0]],
+              "args": args,
               "argv": sys.argv, "systems": systems}
     try:
         log(f"moto at {endpoint}; {args.images} images of {args.size}px; systems {systems}")
