@@ -18,9 +18,8 @@ import torch
 from PIL import Image
 
 import dask_ddp
-from dask_ddp.data import SampleDecodeError, ShardError, StreamingDataset, write_shards
-from dask_ddp.data import stream_state
-from dask_ddp.data.stream_order import Plan, epoch_order
+from dask_ddp.data import SampleDecodeError, ShardDataError, StreamingDataset, stream_state, write_shards
+from dask_ddp.data.stream_order import epoch_order
 
 N = 101  # a prime: no batch size or world size divides it
 
@@ -251,14 +250,14 @@ def test_bad_input_names_the_shard_and_the_sample(shards, tmp_path):
     data = bytearray((bad / first).read_bytes())
     data[600] ^= 0xFF
     (bad / first).write_bytes(bytes(data))
-    with pytest.raises(ShardError, match=f"{first} is corrupt") as err:
+    with pytest.raises(ShardDataError, match=f"{first} is corrupt") as err:
         ds[0]
     assert err.value.shard.endswith(first)
     (bad / first).write_bytes(bytes(data[:2000]))
-    with pytest.raises(ShardError, match=f"{first} is truncated"):
+    with pytest.raises(ShardDataError, match=f"{first} is truncated"):
         StreamingDataset(str(bad), shuffle=False)[0]
     (bad / "index.json").write_text('{"format": "dask-ddp-shards/1", "shards": []}')
-    with pytest.raises(ShardError, match="not a valid shard index"):
+    with pytest.raises(ShardDataError, match="not a valid shard index"):
         StreamingDataset(str(bad))
     # a sample that fails to decode: raise naming it, or skip and count
     tars = tmp_path / "wds"
@@ -304,3 +303,28 @@ def test_resume_from_s3_streams_within_5_s_without_rereading(s3, tmp_path):
     assert took < 5.0 and len(rest) == 25 - 15 - 1
     assert fresh.fetcher.bytes_read < 0.6 * total  # what the first 60 samples needed is not read again
     assert s3fs  # the endpoint above is moto's
+
+
+class SlowDown(OSError):
+    code = "SlowDown"  # what storage.error_code reads: S3's throttling answer (moto cannot throttle on demand)
+
+
+def test_throttled_reads_are_retried_with_backoff_then_named(shards, caplog):
+    url, _ = shards
+    ds = StreamingDataset(url, shuffle=False, transform=to_tensor, retries=3)
+    real, calls = ds.fetcher.fs.cat_file, []
+
+    def throttled(path, *a, **kw):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise SlowDown("Please reduce your request rate")
+        return real(path, *a, **kw)
+
+    ds.fetcher.fs.cat_file = throttled
+    assert ds[0][1] == int(ds.index.classes[0]) and len(calls) == 3
+    assert "retrying shard" in caplog.text
+    ds = StreamingDataset(url, shuffle=False, retries=1)
+    ds.fetcher.fs.cat_file = lambda path, *a, **kw: (_ for _ in ()).throw(SlowDown("Please reduce"))
+    with pytest.raises(SlowDown) as err:
+        ds[0]
+    assert any(ds.index.shards[0] in note and "attempt 2 of 2" in note for note in err.value.__notes__)

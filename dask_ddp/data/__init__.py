@@ -17,7 +17,7 @@ whose positions checkpoints carry (:mod:`.stream_state`).
 
 The public names are ``dask_ddp.data.S3ImageFolder``, ``FolderIndex``, ``ImageDecodeError``,
 ``index_folder``, ``pil_loader``, ``write_shards``, ``StreamingDataset``, ``StreamingLoader``,
-``ShardError`` and ``SampleDecodeError``; they are imported on first use (torchvision takes
+``ShardDataError`` and ``SampleDecodeError``; they are imported on first use (torchvision takes
 seconds to import, and :mod:`.checkpoint` and :mod:`.storage` must not pay for it).
 """
 
@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
     from dask_ddp.data.image_folder import FolderIndex, ImageDecodeError, S3ImageFolder, index_folder, pil_loader
-    from dask_ddp.data.shards_format import ShardError
+    from dask_ddp.data.shards_format import ShardDataError
     from dask_ddp.data.shards_write import write_shards
     from dask_ddp.data.stream_loader import StreamingLoader
     from dask_ddp.data.streaming import SampleDecodeError, StreamingDataset
 
 _HOME = {"S3ImageFolder": "image_folder", "FolderIndex": "image_folder", "ImageDecodeError": "image_folder",
          "index_folder": "image_folder", "pil_loader": "image_folder", "write_shards": "shards_write",
-         "StreamingDataset": "streaming", "StreamingLoader": "stream_loader", "ShardError": "shards_format",
+         "StreamingDataset": "streaming", "StreamingLoader": "stream_loader", "ShardDataError": "shards_format",
          "SampleDecodeError": "streaming"}
-__all__ = list(_HOME)
+__all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader", "write_shards",
+           "StreamingDataset", "StreamingLoader", "ShardDataError", "SampleDecodeError"]
 
 
 def __getattr__(name: str) -> Any:

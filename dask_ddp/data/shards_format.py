@@ -22,14 +22,14 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["ShardError", "ShardIndex", "INDEX_NAME", "FORMAT", "pack_tar", "scan_tar", "crc32"]
+__all__ = ["ShardDataError", "ShardIndex", "INDEX_NAME", "FORMAT", "pack_tar", "scan_tar", "crc32"]
 
 INDEX_NAME = "index.json"
 FORMAT = "dask-ddp-shards/1"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "pgm", "tif", "tiff", "gif")
 
 
-class ShardError(OSError):
+class ShardDataError(OSError):
     """A shard, its index or one of its samples is unusable: names the shard (and the sample) and what to do.
 
     Attributes: ``shard`` (URL or name, may be ``""``) and ``key`` (the sample's key, may be ``""``).
@@ -89,7 +89,7 @@ class ShardIndex:
 
     @classmethod
     def from_json(cls, data: bytes, url: str) -> ShardIndex:
-        """Parse an index file; raise :class:`ShardError` naming ``url`` when it is not one or not consistent."""
+        """Parse an index file; raise :class:`ShardDataError` naming ``url`` when it is not one or not consistent."""
         try:
             d = json.loads(data)
             if d.get("format") != FORMAT:
@@ -97,7 +97,7 @@ class ShardIndex:
             index = cls.build(d["shards"], d["sizes"], d["crcs"], d["keys"], d["classes"], d["shard"],
                               d["offset"], d["length"], d["ext"])
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ShardError(f"{url} is not a valid shard index ({type(err).__name__}: {err}); rebuild it with "
+            raise ShardDataError(f"{url} is not a valid shard index ({type(err).__name__}: {err}); rebuild it with "
                              "dask_ddp.data.write_shards, or delete it to read the tars as WebDataset shards",
                              shard=url) from None
         return index
@@ -154,7 +154,7 @@ def scan_tar(data: bytes, name: str) -> list[dict[str, Any]]:
 
     A sample is the members sharing a key (the member name up to the first dot of its base name); its
     data is its first image member (else its first member that is not ``.cls``/``.json``), its class the
-    integer in ``.cls`` (``-1`` without). Raises :class:`ShardError` naming ``name`` when the tar is corrupt
+    integer in ``.cls`` (``-1`` without). Raises :class:`ShardDataError` naming ``name`` when the tar is corrupt
     or truncated.
     """
     groups: dict[str, dict[str, tuple[int, int]]] = {}
@@ -168,11 +168,11 @@ def scan_tar(data: bytes, name: str) -> list[dict[str, Any]]:
                 key = (base[0] + "/" + stem) if len(base) == 2 else stem
                 groups.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
     except (tarfile.TarError, EOFError) as err:
-        raise ShardError(f"shard {name} is corrupt or truncated ({type(err).__name__}: {err}): re-copy or rebuild it",
-                         shard=name) from None
+        raise ShardDataError(f"shard {name} is corrupt or truncated ({type(err).__name__}: {err}): re-copy or "
+                             "rebuild it", shard=name) from None
     end = max((o + n for g in groups.values() for o, n in g.values()), default=0)
     if end > len(data):
-        raise ShardError(f"shard {name} is truncated ({len(data)} bytes, a member ends at {end}): re-copy it",
+        raise ShardDataError(f"shard {name} is truncated ({len(data)} bytes, a member ends at {end}): re-copy it",
                          shard=name)
     return [_sample(key, members, data) for key, members in groups.items()]
 

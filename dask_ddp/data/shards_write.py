@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from dask_ddp.data import storage
 from dask_ddp.data.folder_index import index_folder, normalize_root, open_fs
-from dask_ddp.data.shards_format import INDEX_NAME, IMAGE_EXTS, ShardIndex, crc32, pack_tar
+from dask_ddp.data.shards_format import IMAGE_EXTS, INDEX_NAME, ShardIndex, crc32, pack_tar
 
 __all__ = ["write_shards", "parse_size"]
 
@@ -113,7 +113,9 @@ def _plan_folder(src: str, size: int, opts: dict) -> tuple[list[tuple], list]:
     files.sort(key=lambda f: (cls_of[f[0].split("/", 1)[0]], f[0]))
     if not files:
         raise FileNotFoundError(f"{storage.redact(src, opts)} has no images in class folders: nothing to shard")
-    tasks, part, total, used = [], [], 0, set()
+    tasks: list[tuple] = []
+    part: list[tuple] = []
+    total, used = 0, set[str]()
     for rel, n in files:
         key = _key(rel, used)
         part.append((rel, key, rel.rsplit(".", 1)[-1].lower(), cls_of[rel.split("/", 1)[0]]))
@@ -179,15 +181,26 @@ def _bar(total: int, progress: bool) -> Any:
     return tqdm(total=total, desc="writing shards", unit="part", disable=not progress)
 
 
+_FS: dict = {}  # (pid, url, options) -> (filesystem, root): one per process, not one per part (s3fs: ~0.5 s each)
+
+
+def _open(url: str, opts: dict) -> tuple[Any, str]:
+    key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
+    if key not in _FS:
+        _FS.clear()
+        _FS[key] = open_fs(url, opts)
+    return _FS[key]
+
+
 def _part(fn: Any, i: int, arg: Any, out: str, opts: dict) -> tuple[dict, int]:
     """One part on a worker: ``(its record, 1 if an earlier run had done it else 0)``."""
-    fs, root = open_fs(out, opts)
+    fs, root = _open(out, opts)
     record_path = f"{root}/{PARTS}/part-{i:05d}.json"
     tag = _tag(arg)
     if fs.exists(record_path):
         record = json.loads(fs.cat_file(record_path))
-        if record.get("tag") == tag and all(fs.exists(f"{root}/{s['name']}") and fs.size(f"{root}/{s['name']}") == s["size"]
-               for s in record["shards"]):
+        if record.get("tag") == tag and all(fs.exists(path := f"{root}/{s['name']}") and fs.size(path) == s["size"]
+                                            for s in record["shards"]):
             return record, 1
     shards, samples = fn(i, arg, fs, root, out)
     record = {"part": i, "tag": tag, "shards": shards, "samples": samples}
@@ -211,7 +224,7 @@ def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[di
 
 def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     src, opts, files = arg
-    sfs, sroot = open_fs(src, opts)
+    sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open_src(src, opts)
     with ThreadPoolExecutor(16) as pool:
         blobs = list(pool.map(lambda f: storage.call(lambda: sfs.cat_file(f"{sroot}/{f[0]}"), f"{src}/{f[0]}",
                                                       storage_options=opts), files))
@@ -220,12 +233,26 @@ def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tupl
     return [shard], samples
 
 
+_SRC: dict = {}
+
+
+def _open_src(url: str, opts: dict) -> tuple[Any, str]:
+    key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
+    if key not in _SRC:
+        _SRC.clear()
+        _SRC[key] = open_fs(url, opts)
+    return _SRC[key]
+
+
 def _write_records(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     records, size = arg
     if hasattr(records, "to_dict"):  # a pandas partition of a Dask DataFrame
         records = records.to_dict("records")
     items = [_item(r, i, k) for k, r in enumerate(records)]
-    shards, samples, chunk, total = [], [], [], 0
+    shards: list[dict] = []
+    samples: list[list] = []
+    chunk: list[tuple] = []
+    total = 0
     for item in items + [None]:
         if item is None or (chunk and total + len(item[2]) > size):
             if chunk:

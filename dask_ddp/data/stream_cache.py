@@ -7,7 +7,9 @@ the same shard share one file and different shards never collide. A file is writ
 (``O_TMPFILE``) and linked into place once complete: a process killed mid-write leaves no temporary file,
 because there is none to leave (where the filesystem lacks ``O_TMPFILE``, a ``.part-<pid>-...`` file is
 used and removed on the next start when its process is gone). No lock file and no shared-memory segment
-is ever made. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a
+is ever made: while one process downloads a shard, the others of the host wait for its cache file, and that
+claim is a Unix socket bound in Linux's abstract namespace, which the kernel removes when the process ends,
+however it ends. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a
 file open keeps its bytes until it closes it.
 """
 
@@ -18,6 +20,8 @@ import hashlib
 import logging
 import os
 import re
+import socket
+import time
 
 __all__ = ["ShardCache"]
 
@@ -54,6 +58,38 @@ class ShardCache:
             return data
         except OSError:
             return None
+
+    def claim(self, name: str) -> socket.socket | None:
+        """Claim the download of ``name`` for this process (None: another process of the host has it).
+
+        The claim is a Unix socket bound in Linux's abstract namespace (no file: the kernel drops it when its
+        process exits, ``kill -9`` included); close it to release. Raises nothing (no claim possible: a socket).
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        key = hashlib.sha256(f"{os.path.realpath(self.folder)}\0{name}".encode()).hexdigest()[:40]
+        try:
+            sock.bind(f"\0dask-ddp-shard-{key}")
+            return sock
+        except OSError as err:
+            sock.close()
+            if err.errno != errno.EADDRINUSE:
+                return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # no abstract namespace: download anyway
+            return None
+
+    def wait_for(self, name: str, timeout: float = 120.0) -> tuple[bytes | None, socket.socket | None]:
+        """The bytes another process is downloading (once cached), or a claim to download them here.
+
+        Returns ``(data, None)`` or ``(None, claim)``: the other process finished, died or took longer than
+        ``timeout`` s. Raises nothing.
+        """
+        deadline, delay = time.monotonic() + timeout, 0.005
+        while True:
+            if (data := self.get(name)) is not None:
+                return data, None
+            if (claim := self.claim(name)) is not None or time.monotonic() > deadline:
+                return None, claim or socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            time.sleep(delay)
+            delay = min(0.1, delay * 1.5)
 
     def put(self, name: str, data: bytes) -> None:
         """Store ``data`` under ``name`` (complete or not at all), then evict beyond the limit; raises nothing."""

@@ -5,7 +5,7 @@ Runs in: the rank process and its DataLoader workers (one :class:`ShardFetcher` 
 A whole-shard GET is the fast path on object stores (moto serves one large object at ~470 MiB/s and
 8 MiB ranged GETs at a tenth of that); the next shards a reader will need are fetched in a background
 thread pool while it decodes the current ones. Every shard is checked against the index's size and CRC-32:
-a truncated or corrupt one raises :class:`ShardError` naming it.
+a truncated or corrupt one raises :class:`ShardDataError` naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 from dask_ddp.data import storage
-from dask_ddp.data.shards_format import ShardError, crc32
+from dask_ddp.data.shards_format import ShardDataError, crc32
 from dask_ddp.data.stream_cache import ShardCache
 
 __all__ = ["ShardFetcher", "TRANSIENT_CODES"]
@@ -59,7 +59,10 @@ class ShardFetcher:
                 self.futures.popitem(last=False)  # the oldest: a later get() fetches it again
 
     def get(self, j: int) -> bytes:
-        """Shard ``j``'s bytes. Raises ShardError (corrupt, truncated), FileNotFoundError, PermissionError, OSError."""
+        """Shard ``j``'s bytes.
+
+        Raises ShardDataError (corrupt, truncated), FileNotFoundError, PermissionError, OSError (after retries).
+        """
         with self.lock:
             fut = self.futures.get(j)
             if fut is None:
@@ -82,13 +85,27 @@ class ShardFetcher:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _load(self, j: int) -> bytes:
-        name = ShardCache.name(self.url(j), self.sizes[j], self.crcs[j]) if self.cache else ""
-        if self.cache and (data := self.cache.get(name)) is not None and self._ok(j, data, raise_=False):
+        if not self.cache or self.cache.broken:
+            return self._checked(j)
+        cache, name = self.cache, ShardCache.name(self.url(j), self.sizes[j], self.crcs[j])
+        if (data := cache.get(name)) is not None and self._ok(j, data, raise_=False):
             return data
+        claim = cache.claim(name)  # one process of the host downloads a shard; the others read the cache
+        if claim is None:
+            data, claim = cache.wait_for(name)
+            if data is not None and self._ok(j, data, raise_=False):
+                return data
+        try:
+            data = self._checked(j)
+            cache.put(name, data)
+        finally:
+            if claim is not None:
+                claim.close()
+        return data
+
+    def _checked(self, j: int) -> bytes:
         data = self._fetch(j)
         self._ok(j, data, raise_=True)
-        if self.cache:
-            self.cache.put(name, data)
         return data
 
     def _ok(self, j: int, data: bytes, raise_: bool) -> bool:
@@ -100,7 +117,7 @@ class ShardFetcher:
         else:
             return True
         if raise_:
-            raise ShardError(f"shard {self.url(j)} {problem}; rebuild the dataset with write_shards (or re-copy "
+            raise ShardDataError(f"shard {self.url(j)} {problem}; rebuild the dataset with write_shards (or re-copy "
                              "the shard), and check that the index and the shards come from the same build",
                              shard=self.url(j))
         return False

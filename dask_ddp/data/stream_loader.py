@@ -47,16 +47,17 @@ class _EpochStream(torch.utils.data.IterableDataset):
         picks = [(s, *plan.positions(s)) for s in steps]
         ids = [order[pos] for _, pos, _ in picks]
         shard_seq = _first_uses(np.concatenate(ids) if ids else np.zeros(0, np.int64), ds.index.shard)
-        fetcher, ahead = ds.fetcher, max(1, ds.prefetch)
+        fetcher, ahead, shard_of, keys = ds.fetcher, max(1, ds.prefetch), ds.columns["shard"], ds.index.keys
         try:
             seen = 0
             for (step, _, real), sample_ids in zip(picks, ids):
-                need = list(dict.fromkeys(int(ds.index.shard[i]) for i in sample_ids))
+                need = list(dict.fromkeys(shard_of[i] for i in sample_ids.tolist()))
                 while seen < len(shard_seq) and shard_seq[seen] in need:
                     seen += 1
                 fetcher.prefetch(need + shard_seq[seen:seen + ahead])
-                items = [ds.load(int(i)) for i in sample_ids]
-                kept = [(it, str(ds.index.keys[i]), k < real) for k, (it, i) in enumerate(zip(items, sample_ids))
+                blobs = {j: fetcher.get(j) for j in need}
+                items = [ds.load(i, blobs[shard_of[i]]) for i in sample_ids.tolist()]
+                kept = [(it, keys[i], k < real) for k, (it, i) in enumerate(zip(items, sample_ids.tolist()))
                         if it is not None]
                 batch = self.collate([it for it, _, _ in kept]) if kept else None
                 yield batch, [k for _, k, _ in kept], sum(r for _, _, r in kept), len(items) - len(kept), step
@@ -88,7 +89,8 @@ class StreamingLoader:
     rank, world_size : default: torch.distributed's, else ``RANK``/``WORLD_SIZE``, else 0 of 1.
     name : the key its position is saved under in checkpoints (default ``"stream"``: one loader; give each
         loader of a job its own name).
-    dataloader_kwargs : passed to torch's DataLoader (``pin_memory``, ``prefetch_factor``, ``multiprocessing_context``...).
+    dataloader_kwargs : passed to torch's DataLoader (``pin_memory``, ``prefetch_factor``,
+        ``multiprocessing_context``, ...).
 
     After each batch, ``batch_keys`` (its samples' keys on this rank), ``batch_real`` (how many are not
     padding) and ``step`` (the step in the epoch) describe it; ``skipped`` counts samples skipped for decode errors.
@@ -102,6 +104,9 @@ class StreamingLoader:
     def __init__(self, dataset: Any, batch_size: int, *, num_workers: int = 0, policy: str = "drop_last",
                  collate_fn: Callable | None = None, rank: int | None = None, world_size: int | None = None,
                  name: str = "stream", **dataloader_kwargs: Any) -> None:
+        if dataloader_kwargs.get("in_order", True) is not True:
+            raise ValueError("StreamingLoader counts the batches it hands out in step order: in_order=False would "
+                             "lose that count; leave in_order out")
         r, w = _world()
         self.dataset, self.batch_size, self.num_workers, self.policy = dataset, int(batch_size), num_workers, policy
         self.rank, self.world_size = (r if rank is None else rank), (w if world_size is None else world_size)

@@ -22,7 +22,7 @@ import torch.utils.data
 
 from dask_ddp.data import storage
 from dask_ddp.data.folder_index import normalize_root, open_fs
-from dask_ddp.data.shards_format import INDEX_NAME, ShardError, ShardIndex, crc32, scan_tar
+from dask_ddp.data.shards_format import INDEX_NAME, ShardDataError, ShardIndex, crc32, scan_tar
 from dask_ddp.data.stream_cache import ShardCache
 from dask_ddp.data.stream_fetch import ShardFetcher
 
@@ -32,33 +32,34 @@ logger = logging.getLogger("dask_ddp.data")
 ON_ERROR = ("raise", "skip")
 
 
-class SampleDecodeError(ShardError):
+class SampleDecodeError(ShardDataError):
     """A sample's bytes could not be decoded (or transformed); names the shard and the sample's key."""
 
 
 def _decode(data: bytes, ext: str) -> Any:
-    from dask_ddp.data.image_folder import pil_loader
+    """PIL, RGB (torchvision's ``pil_loader``; not imported from there: torchvision takes seconds to import)."""
+    from PIL import Image
 
-    return pil_loader(io.BytesIO(data)) if ext != "cls" else data
+    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 class StreamingDataset(torch.utils.data.Dataset):
-    """A dataset of tar shards at ``url``: our ``index.json`` (from :func:`write_shards`) or WebDataset tars.
+    """A dataset of tar shards at ``url``: ours (:func:`~dask_ddp.data.write_shards`) or WebDataset tars.
 
     Parameters
     ----------
     url : fsspec URL or local folder holding ``index.json`` and its shards, or ``*.tar`` WebDataset shards
         (then indexed once, here, by reading their headers).
-    shuffle, seed : the epoch's order (see :mod:`dask_ddp.data.stream_order`); the same seed and epoch give
+    shuffle, seed : the epoch's order (see ``dask_ddp.data.stream_order``); the same seed and epoch give
         the same global order at any world size and number of DataLoader workers.
     transform, target_transform : applied to the decoded sample and to its class.
     decoder : ``decoder(data: bytes, ext: str)`` -> sample; default: PIL, RGB (as ``ImageFolder``).
     cache_dir, cache_limit : a node-local cache of whole shards shared by every process of a host
-        (:class:`~dask_ddp.data.stream_cache.ShardCache`), at most ``cache_limit`` bytes; None: no cache.
+        (``dask_ddp.data.stream_cache``), at most ``cache_limit`` bytes; None: no cache.
     storage_options : fsspec options (s3: ``key``, ``secret``, ``client_kwargs``).
     buffer : the in-buffer shuffle's window, in samples.
-    on_error : ``"raise"`` a :class:`SampleDecodeError` for a sample that fails to decode, or ``"skip"`` it
-        (counted in the loader's ``skipped``).
+    on_error : ``"raise"`` a :class:`~dask_ddp.data.SampleDecodeError` for a sample that fails to decode, or
+        ``"skip"`` it (counted in the loader's ``skipped``).
     retries : attempts after a throttled or failed GET, with exponential backoff.
     prefetch : shards fetched ahead in background threads.
 
@@ -66,7 +67,7 @@ class StreamingDataset(torch.utils.data.Dataset):
     ------
     FileNotFoundError
         No such URL, or neither ``index.json`` nor ``*.tar`` files there (the message names it).
-    ShardError
+    ShardDataError
         The index is not valid, or a WebDataset tar is corrupt or truncated (named).
     PermissionError
         The credentials were refused (the URL named, never the secret).
@@ -94,6 +95,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         self._check_grouped()
         self._fetcher: ShardFetcher | None = None
         self._pid: int | None = None
+        self._columns: dict[str, list] | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -108,13 +110,20 @@ class StreamingDataset(torch.utils.data.Dataset):
         return self.load(int(i))
 
     def loader(self, batch_size: int, **kwargs: Any) -> Any:
-        """A :class:`~dask_ddp.data.stream_loader.StreamingLoader` over this dataset; arguments as there."""
+        """A :class:`~dask_ddp.data.StreamingLoader` over this dataset; arguments as there."""
         from dask_ddp.data.stream_loader import StreamingLoader
 
         return StreamingLoader(self, batch_size, **kwargs)
 
     @property
-    def fetcher(self) -> ShardFetcher:
+    def columns(self) -> dict[str, list]:
+        """The index's ``shard``, ``offset``, ``length`` and ``classes`` as lists of ints (fast per-sample lookups)."""
+        if self._columns is None:
+            self._columns = {c: getattr(self.index, c).tolist() for c in ("shard", "offset", "length", "classes")}
+        return self._columns
+
+    @property
+    def fetcher(self) -> Any:
         """This process's shard fetcher, made on first use (a forked child makes its own)."""
         if self._fetcher is None or self._pid != os.getpid():
             cache = ShardCache(self.cache_dir, self.cache_limit) if self.cache_dir else None
@@ -127,12 +136,12 @@ class StreamingDataset(torch.utils.data.Dataset):
     def load(self, i: int, shard_bytes: bytes | None = None) -> Any:
         """Sample ``i`` decoded and transformed, as ``(sample, class)``; None when skipped (``on_error="skip"``).
 
-        Raises SampleDecodeError (``on_error="raise"``), ShardError, OSError as the fetch does.
+        Raises SampleDecodeError (``on_error="raise"``), ShardDataError, OSError as the fetch does.
         """
-        idx = self.index
-        j = int(idx.shard[i])
+        idx, cols = self.index, self.columns
+        j = cols["shard"][i]
         data = shard_bytes if shard_bytes is not None else self.fetcher.get(j)
-        o, n = int(idx.offset[i]), int(idx.length[i])
+        o, n = cols["offset"][i], cols["length"][i]
         blob = data[o:o + n]
         try:
             if len(blob) != n:
@@ -140,7 +149,7 @@ class StreamingDataset(torch.utils.data.Dataset):
             sample = self.decoder(blob, idx.ext[i])
             if self.transform is not None:
                 sample = self.transform(sample)
-            target = int(idx.classes[i])
+            target = cols["classes"][i]
             if self.target_transform is not None:
                 target = self.target_transform(target)
         except Exception as err:  # noqa: BLE001 - named below, raised or skipped as asked
@@ -156,7 +165,7 @@ class StreamingDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_fetcher=None, _pid=None)
+        state.update(_fetcher=None, _pid=None, _columns=None)
         return state
 
     def _read_index(self) -> ShardIndex:
@@ -191,10 +200,10 @@ class StreamingDataset(torch.utils.data.Dataset):
         return ShardIndex.build(names, [len(b) for b in blobs], [crc32(b) for b in blobs], **cols)
 
     def _check_grouped(self) -> None:
-        """Samples are numbered shard after shard (the order's contract); raise ShardError otherwise."""
+        """Samples are numbered shard after shard (the order's contract); raise ShardDataError otherwise."""
         sh = self.index.shard
         if len(sh) and np.any(np.diff(sh) < 0):
-            raise ShardError(f"{self.url}/{INDEX_NAME} does not list its samples shard after shard: rebuild it "
+            raise ShardDataError(f"{self.url}/{INDEX_NAME} does not list its samples shard after shard: rebuild it "
                              "with write_shards", shard=f"{self.url}/{INDEX_NAME}")
 
     def __repr__(self) -> str:

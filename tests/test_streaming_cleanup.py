@@ -1,0 +1,65 @@
+"""Nothing left behind (issue 28, item 6): 50 SIGKILLs of a process streaming through the node cache.
+
+Each cycle forks a child of tests/stream_killer.py (one torch import for all 50) that streams real JPEG shards
+with a shared node cache bounded below the dataset's size (so cache files are written and evicted while
+it dies) and, in some cycles, two DataLoader workers; it is killed with SIGKILL after its third batch.
+Before and after, /dev/shm and the cache folder are listed: no segment named by one of those processes'
+pids, no temporary, part or lock file, only complete cache files each equal to a shard of the index.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+from test_streaming import make_folder
+
+from dask_ddp.data import write_shards
+from dask_ddp.data.shards_format import ShardIndex, crc32
+
+CYCLES = 50
+
+
+def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
+    make_folder(tmp_path / "src", n=120)
+    write_shards(str(tmp_path / "src"), str(tmp_path / "shards"), shard_size="6KB", progress=False, client=False)
+    index = ShardIndex.from_json((tmp_path / "shards" / "index.json").read_bytes(), "index")
+    cache, pids_file = tmp_path / "cache", tmp_path / "pids"
+    shm_before = set(os.listdir("/dev/shm"))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "stream_killer.py"),
+                           str(tmp_path / "shards"), str(cache), str(CYCLES), str(pids_file)],
+                          capture_output=True, text=True, timeout=280)
+    took = time.perf_counter() - started
+    assert proc.returncode == 0 and f"done {CYCLES}" in proc.stdout, proc.stderr[-3000:]
+    pids = {int(p) for p in pids_file.read_text().split()}
+    assert len(pids) >= CYCLES
+    deadline = time.monotonic() + 60  # orphaned DataLoader workers notice their parent's death and exit
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "DataLoader workers of killed children still run after 60 s"
+        time.sleep(0.5)
+    new_shm = set(os.listdir("/dev/shm")) - shm_before
+    print(f"{CYCLES} kill -9 cycles in {took:.1f} s; {len(pids)} processes; new /dev/shm entries (any "
+          f"process on this machine): {sorted(new_shm)}; cache files: {len(os.listdir(cache))}")
+    assert not [n for n in new_shm if any(str(p) in n for p in pids)]
+    names = {shard_name(index, str(tmp_path / "shards"), j): j for j in range(len(index.shards))}
+    for name in os.listdir(cache):
+        assert name in names, f"{name} is not a complete cache file (a temporary, part or lock file?)"
+        assert crc32((cache / name).read_bytes()) == index.crcs[names[name]], f"{name} is incomplete"
+    assert sum(os.path.getsize(cache / n) for n in os.listdir(cache)) <= 40_000 + max(index.sizes)
+    assert os.listdir(cache), "the cache was never written: the test tests nothing"
+    from dask_ddp.data.stream_cache import ShardCache
+
+    claims = [ShardCache(cache, 40_000).claim(name) for name in names]  # no claim outlived its killed process
+    assert all(c is not None for c in claims)
+    for c in claims:
+        c.close()
+
+
+def shard_name(index: ShardIndex, root: str, j: int) -> str:
+    from dask_ddp.data.stream_cache import ShardCache
+
+    return ShardCache.name(f"{root}/{index.shards[j]}", index.sizes[j], index.crcs[j])
