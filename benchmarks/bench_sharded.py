@@ -178,7 +178,10 @@ def _pairs(rank, fs, model, fresh, half_bytes, base, bucket, opts, count):
     rounds = []
     for i in range(count):
         step = 100 + i
-        save = _timed(lambda: dask_ddp.save_sharded({"model": model}, step, directory=f"{base}/pairs", keep=1,
+        if i and rank == 0:  # the previous round's step, untimed (keep= would prune inside the timed save)
+            fs.rm(f"{bucket}/pairs", recursive=True)
+        fs.invalidate_cache()
+        save = _timed(lambda: dask_ddp.save_sharded({"model": model}, step, directory=f"{base}/pairs",
                                                     storage_options=opts))
         found = dask_ddp.checkpoint.list_sharded(f"{base}/pairs", storage_options=opts)[-1]
         mine = sorted(f for f in fs.ls(found.url.removeprefix("s3://"), refresh=True)
@@ -195,6 +198,8 @@ def _pairs(rank, fs, model, fresh, half_bytes, base, bucket, opts, count):
                                                     storage_options=opts))
         read_s = _timed(lambda: [fs.cat_file(f) for f in mine])
         rounds.append({"save": save, "write": write_s, "load": load, "read": read_s})
+        if rank == 0:
+            fs.rm(f"{bucket}/pairceil", recursive=True)
     return rounds
 
 
