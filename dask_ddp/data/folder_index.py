@@ -15,7 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from dask_ddp.data import storage
 
-__all__ = ["FolderIndex", "index_folder", "open_fs", "normalize_root"]
+__all__ = ["FolderIndex", "index_folder", "open_fs", "normalize_root", "cat_many"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,28 @@ def _walk_local(root: str) -> dict[str, dict]:
                 size = 0
             found[path] = {"type": "file", "size": size}
     return found
+
+
+def cat_many(fs: Any, paths: list[str], chunk: int = 256) -> list:
+    """The bytes of each path, or the exception its read raised, in order: concurrent GETs on an async
+    filesystem (``chunk`` at a time), one GET each (s3fs >= 2026.3 sends a HEAD before a GET unless
+    ``max_concurrency`` is 1), else one read after another. Raises nothing of its own."""
+    if not getattr(fs, "async_impl", False):
+        out: list = []
+        for p in paths:
+            try:
+                out.append(fs.cat_file(p))
+            except Exception as err:  # noqa: BLE001 - returned, as the async path does
+                out.append(err)
+        return out
+    import asyncio
+    import inspect
+
+    from fsspec.asyn import sync
+
+    kwargs = {"max_concurrency": 1} if "max_concurrency" in inspect.signature(fs._cat_file).parameters else {}
+
+    async def gather(part: list[str]) -> list:
+        return await asyncio.gather(*(fs._cat_file(p, **kwargs) for p in part), return_exceptions=True)
+
+    return [b for lo in range(0, len(paths), chunk) for b in sync(fs.loop, gather, paths[lo:lo + chunk])]

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from dask_ddp.data import storage
-from dask_ddp.data.folder_index import index_folder, normalize_root, open_fs
+from dask_ddp.data.folder_index import cat_many, index_folder, normalize_root, open_fs
 from dask_ddp.data.shards_format import IMAGE_EXTS, INDEX_NAME, ShardIndex, crc32, pack_tar
 
 __all__ = ["write_shards", "parse_size"]
@@ -232,9 +232,11 @@ def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[di
 def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     src, opts, files = arg
     sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open_src(src, opts)
-    with ThreadPoolExecutor(16) as pool:
-        blobs = list(pool.map(lambda f: storage.call(lambda: sfs.cat_file(f"{sroot}/{f[0]}"), f"{src}/{f[0]}",
-                                                      storage_options=opts), files))
+    blobs = []
+    for f, got in zip(files, cat_many(sfs, [f"{sroot}/{f[0]}" for f in files])):  # concurrent, one GET each
+        if isinstance(got, BaseException):  # named as a single read names it (no secret), after one more try
+            got = storage.call(lambda f=f: sfs.cat_file(f"{sroot}/{f[0]}"), f"{src}/{f[0]}", storage_options=opts)
+        blobs.append(got)
     shard, samples = _write_tar(fs, root, out, f"shard-{i:05d}.tar",
                                 [(key, ext, blob, cls) for (_, key, ext, cls), blob in zip(files, blobs)])
     return [shard], samples
