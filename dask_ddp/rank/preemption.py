@@ -181,8 +181,9 @@ def _block_sigterm() -> None:
 
     Without this a SIGTERM that reaches the child between the fork and :func:`_default_sigterm_in_child` (a Pool
     worker not yet scheduled when ``Pool.terminate()`` signals it) is caught by the inherited Python handler's
-    trampoline, and then dropped, since Python runs no handler for a signal whose handler became SIG_DFL: the
-    worker lives on and ``Pool.__exit__`` joins it forever. Blocked, the kernel keeps it pending instead.
+    trampoline and then lost (CPython's after-fork reset clears it, and it runs no Python handler for a signal
+    whose handler became SIG_DFL): the worker lives on and ``Pool.__exit__`` joins it forever (seen, with
+    stack dumps). Blocked, the kernel keeps it pending instead.
     """
     _FORKING.blocked = (signal.getsignal(signal.SIGTERM) is _ON_SIGTERM
                         and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}))
