@@ -11,6 +11,7 @@ is complete), then the records are removed. A finished build is not rebuilt.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -232,10 +233,11 @@ def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[di
 def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     src, opts, files = arg
     sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open_src(src, opts)
+    paths = [f"{sroot}/{f[0]}" for f in files]
     blobs = []
-    for f, got in zip(files, cat_many(sfs, [f"{sroot}/{f[0]}" for f in files])):  # concurrent, one GET each
+    for path, rel, got in zip(paths, (f[0] for f in files), cat_many(sfs, paths)):  # concurrent, one GET each
         if isinstance(got, BaseException):  # named as a single read names it (no secret), after one more try
-            got = storage.call(lambda f=f: sfs.cat_file(f"{sroot}/{f[0]}"), f"{src}/{f[0]}", storage_options=opts)
+            got = storage.call(functools.partial(sfs.cat_file, path), f"{src}/{rel}", storage_options=opts)
         blobs.append(got)
     shard, samples = _write_tar(fs, root, out, f"shard-{i:05d}.tar",
                                 [(key, ext, blob, cls) for (_, key, ext, cls), blob in zip(files, blobs)])
