@@ -91,7 +91,10 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
 # Put into a notebook's code: prints ``word`` once its main thread waits inside dask-ddp's Job.wait, so that a
 # signal the test sends on reading it always lands in that wait (never just before it).
 WHEN_WAITING = textwrap.dedent('''
-    import sys, threading, time
+    import faulthandler, sys, threading, time
+    # a notebook stuck after its interrupt (seen once in a full-suite run) says where, then ends: the test fails
+    # with these stacks in its message instead of timing out blind
+    faulthandler.dump_traceback_later(150, exit=True)
 
     def say_when_waiting(word, *extra):
         main = threading.main_thread().ident
@@ -161,7 +164,7 @@ def test_the_notebooks_interrupt_cancels_the_job_and_spares_the_workers_of_its_l
             proc.kill()
             pytest.fail(f"the notebook did not start its job: {proc.stderr.read()}")
         os.killpg(proc.pid, signal.SIGINT)  # what jupyter_client's interrupt_kernel does
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=240)  # it dumps its stacks and ends after 150 s (WHEN_WAITING)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
