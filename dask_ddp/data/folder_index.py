@@ -7,6 +7,7 @@ ranks never list again. Also opens each process's filesystem (:func:`open_fs`).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -132,8 +133,10 @@ def _walk_local(root: str) -> dict[str, dict]:
 
 def cat_many(fs: Any, paths: list[str], chunk: int = 256) -> list:
     """The bytes of each path, or the exception its read raised, in order: concurrent GETs on an async
-    filesystem (``chunk`` at a time), one GET each (s3fs >= 2026.3 sends a HEAD before a GET unless
-    ``max_concurrency`` is 1), else one read after another. Raises nothing of its own."""
+    filesystem (``chunk`` at a time), one GET each (see :func:`_one_get`), else one read after another.
+
+    Not ``fs.cat``: it expands globs and silently drops keys with ``[``, ``*`` or ``?``. Raises nothing of its own.
+    """
     if not getattr(fs, "async_impl", False):
         out: list = []
         for p in paths:
@@ -143,13 +146,21 @@ def cat_many(fs: Any, paths: list[str], chunk: int = 256) -> list:
                 out.append(err)
         return out
     import asyncio
-    import inspect
 
     from fsspec.asyn import sync
 
-    kwargs = {"max_concurrency": 1} if "max_concurrency" in inspect.signature(fs._cat_file).parameters else {}
+    kwargs = _one_get(fs.__class__)
 
     async def gather(part: list[str]) -> list:
         return await asyncio.gather(*(fs._cat_file(p, **kwargs) for p in part), return_exceptions=True)
 
     return [b for lo in range(0, len(paths), chunk) for b in sync(fs.loop, gather, paths[lo:lo + chunk])]
+
+
+@functools.cache
+def _one_get(cls: Any) -> dict:
+    """``_cat_file``'s keywords for one GET a read: s3fs >= 2026.3 sends a HEAD before each GET unless
+    ``max_concurrency`` is 1 (once per filesystem class: inspecting is not free on a hot path)."""
+    import inspect
+
+    return {"max_concurrency": 1} if "max_concurrency" in inspect.signature(cls._cat_file).parameters else {}

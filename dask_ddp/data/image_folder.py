@@ -13,10 +13,8 @@ local on-disk cache.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
-import inspect
 import io
 import logging
 import os
@@ -25,7 +23,6 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import fsspec
-from fsspec.asyn import sync
 from PIL import Image, UnidentifiedImageError
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
@@ -34,6 +31,7 @@ from dask_ddp.data import storage
 from dask_ddp.data.blob_cache import BlobCache
 from dask_ddp.data.folder_index import (
     FolderIndex,
+    cat_many,
     index_folder,
     normalize_root,
     open_fs,
@@ -92,10 +90,6 @@ class _Options(dict):
 
     def __repr__(self) -> str:
         return repr(storage.masked(self))
-
-
-async def _gather_cat(fs, paths: Sequence[str], kwargs: dict) -> list:
-    return await asyncio.gather(*(fs._cat_file(p, **kwargs) for p in paths), return_exceptions=True)
 
 
 class S3ImageFolder(ImageFolder):
@@ -260,9 +254,6 @@ class S3ImageFolder(ImageFolder):
         """This process's filesystem, opened on first use (a forked child opens its own)."""
         if self._fs is None or self._fs_pid != os.getpid():
             (self._fs, self._fs_root), self._fs_pid = open_fs(self.root, self.storage_options), os.getpid()
-            params = inspect.signature(self._fs._cat_file).parameters if self._fs.async_impl else {}
-            # s3fs >= 2026.3 sends a HEAD before each GET unless max_concurrency is 1
-            self._cat_kwargs = {"max_concurrency": 1} if "max_concurrency" in params else {}
         return self._fs
 
     def __getstate__(self) -> dict:
@@ -332,21 +323,9 @@ class S3ImageFolder(ImageFolder):
         return [got[u] for u in urls]
 
     def _cat(self, urls: Sequence[str]) -> list:
-        """Bytes or the exception, per URL: one concurrent round for async filesystems.
-
-        Not ``fs.cat``: it expands globs and silently drops keys with ``[``, ``*`` or ``?``.
-        """
+        """Bytes or the exception, per URL: one concurrent round for async filesystems (:func:`cat_many`)."""
         fs = self.fs
-        paths = [self._fs_path(u) for u in urls]
-        if fs.async_impl:
-            return sync(fs.loop, _gather_cat, fs, paths, self._cat_kwargs)
-        out = []
-        for p in paths:
-            try:
-                out.append(fs.cat_file(p))
-            except Exception as err:
-                out.append(err)
-        return out
+        return cat_many(fs, [self._fs_path(u) for u in urls], chunk=max(1, len(urls)))
 
     def _fs_path(self, url: str) -> str:
         if url.startswith(self._base):
