@@ -189,15 +189,16 @@ def _bar(total: int, progress: bool) -> Any:
     return tqdm(total=total, desc="writing shards", unit="part", disable=not progress)
 
 
-_FS: dict = {}  # (pid, url, options) -> (filesystem, root): one per process, not one per part (s3fs: ~0.5 s each)
+_FS: dict = {}  # role ("out", "src") -> ((pid, url, options), (filesystem, root)): one per process and role, not
+# one per part (s3fs: ~0.5 s each)
 
 
-def _open(url: str, opts: dict) -> tuple[Any, str]:
+def _open(url: str, opts: dict, role: str = "out") -> tuple[Any, str]:
     key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
-    if key not in _FS:
-        _FS.clear()
-        _FS[key] = open_fs(url, opts)
-    return _FS[key]
+    held = _FS.get(role)
+    if held is None or held[0] != key:
+        _FS[role] = held = (key, open_fs(url, opts))
+    return held[1]
 
 
 def _part(fn: Any, i: int, arg: Any, out: str, opts: dict) -> tuple[dict, int]:
@@ -232,7 +233,7 @@ def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[di
 
 def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     src, opts, files = arg
-    sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open_src(src, opts)
+    sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open(src, opts, "src")
     paths = [f"{sroot}/{f[0]}" for f in files]
     blobs = []
     for path, rel, got in zip(paths, (f[0] for f in files), cat_many(sfs, paths)):  # concurrent, one GET each
@@ -242,17 +243,6 @@ def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tupl
     shard, samples = _write_tar(fs, root, out, f"shard-{i:05d}.tar",
                                 [(key, ext, blob, cls) for (_, key, ext, cls), blob in zip(files, blobs)])
     return [shard], samples
-
-
-_SRC: dict = {}
-
-
-def _open_src(url: str, opts: dict) -> tuple[Any, str]:
-    key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
-    if key not in _SRC:
-        _SRC.clear()
-        _SRC[key] = open_fs(url, opts)
-    return _SRC[key]
 
 
 def _write_records(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
