@@ -143,14 +143,9 @@ def _bench(rank, world, endpoint, bucket, gib, pairs=0):
         fs.rm(f"{bucket}/torch", recursive=True)
 
     half = {"b": b"\0" * (nbytes // world)}
-    def many(count):
-        import concurrent.futures as cf
-
-        piece = half["b"][: len(half["b"]) // count]
-        with cf.ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda i: fs.pipe_file(f"{bucket}/ceiling{count}/{rank}-{i}", piece), range(count)))
-
-    out["s3fs_write_n_s"] = _timed(lambda: many(len(mine)))
+    count = len(mine)
+    out["s3fs_write_n_s"] = _timed(lambda: _write_ceiling(fs, f"{bucket}/ceiling{count}/{rank}",
+                                                          half["b"][: len(half["b"]) // count], count))
     half.clear()
     if rank == 0:
         fs.rm(f"{bucket}/ceiling{len(mine)}", recursive=True)
@@ -168,11 +163,17 @@ def _bench(rank, world, endpoint, bucket, gib, pairs=0):
     return out
 
 
+def _write_ceiling(fs, prefix: str, piece: bytes, count: int) -> None:
+    """The write ceiling: ``count`` objects of ``piece`` under ``prefix-<i>``, 4 threads (the writer's own count)."""
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: fs.pipe_file(f"{prefix}-{i}", piece), range(count)))
+
+
 def _pairs(rank, fs, model, fresh, half_bytes, base, bucket, opts, count):
     """``count`` rounds of (ours, its ceiling) back to back, for save and for load: the ratio of each pair, so a
     machine whose load drifts during the run (other work on 2 shared cores) compares like with like."""
-    import concurrent.futures as cf
-
     import dask_ddp
 
     rounds = []
@@ -187,13 +188,8 @@ def _pairs(rank, fs, model, fresh, half_bytes, base, bucket, opts, count):
         mine = sorted(f for f in fs.ls(found.url.removeprefix("s3://"), refresh=True)
                       if f.endswith(".distcp") and f"-rank-{rank:05d}-" in f)
         piece = b"\0" * (half_bytes // len(mine))
-
-        def write():
-            with cf.ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda j: fs.pipe_file(f"{bucket}/pairceil/{rank}-{j}", piece), range(len(mine))))
-
-        write_s = _timed(write)
-        del piece
+        write_s = _timed(lambda: _write_ceiling(fs, f"{bucket}/pairceil/{rank}", piece, len(mine)))
+        piece = b""  # the memory back before the load
         load = _timed(lambda: dask_ddp.load_sharded({"model": fresh}, directory=f"{base}/pairs", step=step,
                                                     storage_options=opts))
         read_s = _timed(lambda: [fs.cat_file(f) for f in mine])

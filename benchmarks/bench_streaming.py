@@ -55,6 +55,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import streaming_peers as peers  # noqa: E402
+from bench_s3_dataset import _serve  # noqa: E402 - the moto server process, as that benchmark runs it
 
 for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_REGION": "us-east-1"}.items():
@@ -63,20 +64,6 @@ for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 READERS = ["ours", "litdata", "wds", "mosaic", "folder"]
 PEERS = ["litdata", "wds", "mosaic"]
 SPAWN = mp.get_context("spawn")
-
-
-def _serve(conn) -> None:
-    """Child process: a moto server on 127.0.0.1, on a port it binds itself, until told to stop."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    conn.send(server.get_host_and_port())
-    conn.recv()
-    server.stop()
 
 
 def _jpeg(rng: np.random.RandomState, label: int, size: int) -> bytes:
