@@ -8,6 +8,7 @@ limit, cancel, and bad input; every test checks that no rank process is left beh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -488,6 +489,9 @@ def test_a_detached_sweep_survives_its_killed_client_and_attach_sweep_sees_and_c
     finally:
         if proc.poll() is None:
             proc.kill()
+        if s is None:  # the detached sweep runs on the scheduler whatever failed above: find it to stop it
+            with contextlib.suppress(Exception):
+                s = dask_ddp.attach_sweep(client4, "survivor", progress=False)
         if s is not None:
             s.cancel(120)
     df = s.results()
