@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks of a session on a lent GPU machine (see the README's GPU section): the GPU tests, the demo on
-# LocalCUDACluster and jobs in a row with nccl (part "checks"), then one GPU rank beside torchrun (part "bench",
-# benchmarks/bench_gpu.py). Usage: bash benchmarks/gpu_session.sh [checks|bench|all]. Wheels for what the machine
-# lacks are carried in .whl/.
+# The GPU checks of a session on a lent GPU machine (see docs/guide/kubernetes.md): the GPU tests and the demo on
+# LocalCUDACluster (part "checks"), jobs in a row with nccl ("jobs"), one GPU rank beside torchrun ("bench",
+# benchmarks/bench_gpu.py), JPEG decoding on the GPU vs the CPU path ("stream", bench_streaming_gpu.py) and 200
+# early-stopped sweep trials with GPU memory read by NVML ("sweep", bench_sweep_gpu.py). Usage:
+# bash benchmarks/gpu_session.sh [PART ...] (default: checks stream sweep). Each part has its own time limit, so
+# one that hangs leaves the others their time; logs and tables go to $OUT. Wheels for what the machine lacks are
+# carried in .whl/ (see the README's GPU section for the list).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
 nvidia-smi -L
 python3 -c "import torch, dask, distributed, dask_cuda; print('torch', torch.__version__, 'dask', dask.__version__, 'dask-cuda', dask_cuda.__version__)"
-part=${1:-all}
-if [ "$part" = checks ] || [ "$part" = all ]; then
-  echo "== pytest -m gpu"
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
-    $(ls tests/test_telemetry.py tests/test_telemetry_gpu.py 2>/dev/null) 2>&1 | tail -25
-  echo "== dask-ddp demo (LocalCUDACluster)"
-  ( time timeout 240 python3 -m dask_ddp.cli demo ) 2>&1 | grep -v "^\[rank" | tail -20
-  echo "== jobs in a row, nccl"
-  timeout 200 python3 benchmarks/gpu_jobs.py --jobs 5 2>&1 | grep -v "INFO\|^\[rank" | tail -8
-fi
-if [ "$part" = bench ] || [ "$part" = all ]; then
-  echo "== one GPU rank beside torchrun"
-  timeout 540 python3 benchmarks/bench_gpu.py --images 512 --repeats 2 --out "${OUT:-/tmp}/RESULTS_gpu.md" 2>&1 \
-    | grep -v "INFO\|^\[rank" | tail -30
-fi
+parts=${*:-checks stream sweep}
+for part in $parts; do
+  echo "== $(date +%T) $part"
+  case $part in
+    checks)
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
+        tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py 2>&1 | tail -25
+      echo "== $(date +%T) dask-ddp demo (LocalCUDACluster)"
+      ( time timeout 90 python3 -m dask_ddp.cli demo ) 2>&1 | grep -v "^\[rank" | tail -12 ;;
+    jobs) timeout 200 python3 benchmarks/gpu_jobs.py --jobs 5 2>&1 | grep -v "INFO\|^\[rank" | tail -8 ;;
+    bench) timeout 540 python3 benchmarks/bench_gpu.py --images 512 --repeats 2 --out "$out/RESULTS_gpu.md" 2>&1 \
+        | grep -v "INFO\|^\[rank" | tail -30 ;;
+    stream) timeout 80 python3 benchmarks/bench_streaming_gpu.py --images 3000 --small 10000 --workers 4,12 \
+        --rounds 2 --out "$out/RESULTS_streaming_gpu.md" 2>&1 | grep -v "INFO" | tail -30 ;;
+    sweep) timeout 180 python3 benchmarks/bench_sweep_gpu.py --trials 200 --workers 3 --frac 0.3 \
+        --out "$out/RESULTS_sweep_gpu.md" 2>&1 | grep -v "INFO\|^\[rank" | tail -40 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+echo "== $(date +%T) done"

@@ -17,14 +17,16 @@ whose positions checkpoints carry (:mod:`.stream_state`).
 
 The public names are ``dask_ddp.data.S3ImageFolder``, ``FolderIndex``, ``ImageDecodeError``,
 ``index_folder``, ``pil_loader``, ``write_shards``, ``StreamingDataset``, ``StreamingLoader``,
-``ShardDataError`` and ``SampleDecodeError``; they are imported on first use (torchvision takes
-seconds to import, and :mod:`.checkpoint` and :mod:`.storage` must not pay for it).
+``ShardDataError``, ``SampleDecodeError`` and, to decode on the GPU (:mod:`.gpu_decode`),
+``encoded_bytes``, ``collate_encoded``, ``EncodedBatch`` and ``decode_images``; they are imported on first
+use (torchvision takes seconds to import, and :mod:`.checkpoint` and :mod:`.storage` must not pay for it).
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
+    from dask_ddp.data.gpu_decode import EncodedBatch, collate_encoded, decode_images, encoded_bytes
     from dask_ddp.data.image_folder import FolderIndex, ImageDecodeError, S3ImageFolder, index_folder, pil_loader
     from dask_ddp.data.shards_format import ShardDataError
     from dask_ddp.data.shards_write import write_shards
@@ -34,9 +36,11 @@ if TYPE_CHECKING:  # what a type checker and an editor see; at run time they com
 _HOME = {"S3ImageFolder": "image_folder", "FolderIndex": "image_folder", "ImageDecodeError": "image_folder",
          "index_folder": "image_folder", "pil_loader": "image_folder", "write_shards": "shards_write",
          "StreamingDataset": "streaming", "StreamingLoader": "stream_loader", "ShardDataError": "shards_format",
-         "SampleDecodeError": "streaming"}
+         "SampleDecodeError": "streaming", "encoded_bytes": "gpu_decode", "collate_encoded": "gpu_decode",
+         "decode_images": "gpu_decode", "EncodedBatch": "gpu_decode"}
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader", "write_shards",
-           "StreamingDataset", "StreamingLoader", "ShardDataError", "SampleDecodeError"]
+           "StreamingDataset", "StreamingLoader", "ShardDataError", "SampleDecodeError",
+           "encoded_bytes", "collate_encoded", "EncodedBatch", "decode_images"]
 
 
 def __getattr__(name: str) -> Any:
