@@ -91,8 +91,10 @@ def test_write_shards_index_and_tars_hold_every_sample(shards):
         with tarfile.open(f"{url}/{ds.index.shards[j]}") as tar:
             assert tar.extractfile(f"{key}.jpg").read() == truth[key][0]
             assert int(tar.extractfile(f"{key}.cls").read()) == truth[key][1] == int(ds.index.classes[i])
+    assert ds.classes == ["c0", "c1", "c2"] and ds.class_to_idx == {"c0": 0, "c1": 1, "c2": 2}  # as ImageFolder's
     again = write_shards(url.replace("shards", "src"), url, shard_size="8KB", progress=False, client=False)
     assert again["written"] == 0 and again["fingerprint"] == ds.fingerprint  # a finished build is not rebuilt
+    assert again["classes"] == ["c0", "c1", "c2"]  # also when the build was found complete
 
 
 def test_write_shards_on_the_cluster_from_s3_resumes_a_failed_build(client, s3, tmp_path):
@@ -227,7 +229,7 @@ def test_webdataset_tars_read_back_identically(tmp_path):
                 written[key] = (jpeg(i + 50), i % 5)
                 sink.write({"__key__": key, "jpg": written[key][0], "cls": written[key][1]})
     ds = StreamingDataset(str(tmp_path), shuffle=False, decoder=lambda b, ext: b)
-    assert list(ds.index.keys) == sorted(written)
+    assert list(ds.index.keys) == sorted(written) and ds.classes == []  # WebDataset tars name no classes
     assert {k: (bytes(ds[i][0]), ds[i][1]) for i, k in enumerate(ds.index.keys)} == written
     decoded = StreamingDataset(str(tmp_path), shuffle=False, transform=to_tensor)
     ref = list(wds.WebDataset(sorted(str(p) for p in tmp_path.glob("*.tar")), shardshuffle=False)

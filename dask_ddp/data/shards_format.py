@@ -59,6 +59,7 @@ class ShardIndex:
     ``keys[i]`` is sample i's key, ``classes[i]`` its class (-1: none), ``shard[i]`` the position of its
     shard in ``shards``, ``offset[i]``/``length[i]`` its bytes in that tar, ``ext[i]`` its extension.
     ``sizes[j]``/``crcs[j]`` are shard j's byte count and CRC-32 (-1: unknown, not checked).
+    ``names[c]`` is class c's name where the source had names (an image folder's class folders), else empty.
     """
 
     shards: tuple[str, ...]
@@ -70,6 +71,7 @@ class ShardIndex:
     offset: np.ndarray
     length: np.ndarray
     ext: tuple[str, ...]
+    names: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -85,7 +87,8 @@ class ShardIndex:
         return json.dumps({
             "format": FORMAT, "shards": list(self.shards), "sizes": list(self.sizes), "crcs": list(self.crcs),
             "keys": list(self.keys), "classes": self.classes.tolist(), "shard": self.shard.tolist(),
-            "offset": self.offset.tolist(), "length": self.length.tolist(), "ext": list(self.ext)}).encode()
+            "offset": self.offset.tolist(), "length": self.length.tolist(), "ext": list(self.ext),
+            "names": list(self.names)}).encode()
 
     @classmethod
     def from_json(cls, data: bytes, url: str) -> ShardIndex:
@@ -95,7 +98,7 @@ class ShardIndex:
             if d.get("format") != FORMAT:
                 raise ValueError(f"format {d.get('format')!r}, expected {FORMAT!r}")
             index = cls.build(d["shards"], d["sizes"], d["crcs"], d["keys"], d["classes"], d["shard"],
-                              d["offset"], d["length"], d["ext"])
+                              d["offset"], d["length"], d["ext"], d.get("names", ()))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ShardDataError(f"{url} is not a valid shard index ({type(err).__name__}: {err}); rebuild it with "
                              "dask_ddp.data.write_shards, or delete it to read the tars as WebDataset shards",
@@ -105,7 +108,7 @@ class ShardIndex:
     @classmethod
     def build(cls, shards: Sequence[str], sizes: Sequence[int], crcs: Sequence[int], keys: Sequence[str],
               classes: Sequence[int], shard: Sequence[int], offset: Sequence[int], length: Sequence[int],
-              ext: Sequence[str]) -> ShardIndex:
+              ext: Sequence[str], names: Sequence[str] = ()) -> ShardIndex:
         """An index from its columns; raise ValueError when their lengths or shard numbers disagree."""
         n = len(keys)
         if not (len(classes) == len(shard) == len(offset) == len(length) == len(ext) == n):
@@ -117,7 +120,7 @@ class ShardIndex:
             raise ValueError("a sample names a shard the index does not list")
         return cls(tuple(shards), tuple(int(s) for s in sizes), tuple(int(c) for c in crcs), tuple(keys),
                    np.asarray(classes, dtype=np.int64), sh, np.asarray(offset, dtype=np.int64),
-                   np.asarray(length, dtype=np.int64), tuple(ext))
+                   np.asarray(length, dtype=np.int64), tuple(ext), tuple(str(n) for n in names))
 
 
 def pack_tar(samples: Iterable[tuple[str, str, bytes, int]]) -> tuple[bytes, list[tuple[str, int, int, int, str]]]:

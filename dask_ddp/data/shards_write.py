@@ -17,7 +17,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dask_ddp.data import storage
 from dask_ddp.data.folder_index import cat_many, index_folder, normalize_root, open_fs
@@ -78,12 +78,13 @@ def write_shards(source: Any, url: str | os.PathLike, *, shard_size: int | str =
     index_path = f"{root}/{INDEX_NAME}"
     if not overwrite and storage.call(lambda: fs.exists(index_path), out, storage_options=out_opts):
         data = storage.call(lambda: fs.cat_file(index_path), out, storage_options=out_opts)
-        return _summary(out, ShardIndex.from_json(data, f"{out}/{INDEX_NAME}"), 0, 0, started, None)
+        done = ShardIndex.from_json(data, f"{out}/{INDEX_NAME}")
+        return _summary(out, done, 0, 0, started, list(done.names) or None)
     tasks, classes = _plan(source, size, source_options)
     storage.call(lambda: fs.makedirs(f"{root}/{PARTS}", exist_ok=True), out, doing="creating it",
                  storage_options=out_opts)
     parts, reused = _run(tasks, out, out_opts, client, progress)
-    index = _index(parts)
+    index = _index(parts, classes or ())
     storage.call(lambda: fs.pipe_file(index_path, index.to_json()), out, doing="writing its index",
                  storage_options=out_opts)
     storage.call(lambda: fs.rm(f"{root}/{PARTS}", recursive=True), out, storage_options=out_opts)
@@ -283,10 +284,10 @@ def _item(record: Any, part: int, k: int) -> tuple[str, str, bytes, int]:
     return key, ext, bytes(record[data_key]), int(cls)
 
 
-def _index(parts: list[dict]) -> ShardIndex:
+def _index(parts: list[dict], names: Sequence[str]) -> ShardIndex:
     shards = [s for p in parts for s in p["shards"]]
     pos = {s["name"]: j for j, s in enumerate(shards)}
     samples = [s for p in parts for s in p["samples"]]
     return ShardIndex.build([s["name"] for s in shards], [s["size"] for s in shards], [s["crc"] for s in shards],
                             [s[0] for s in samples], [s[1] for s in samples], [pos[s[2]] for s in samples],
-                            [s[3] for s in samples], [s[4] for s in samples], [s[5] for s in samples])
+                            [s[3] for s in samples], [s[4] for s in samples], [s[5] for s in samples], names)

@@ -98,6 +98,16 @@ class StreamingDataset(torch.utils.data.Dataset):
         self._columns: dict[str, list] | None = None
 
     @property
+    def classes(self) -> list[str]:
+        """The class names, as ``ImageFolder``'s ``classes`` (shards written from an image folder; else empty)."""
+        return list(self.index.names)
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """``{class name: class index}``, as ``ImageFolder``'s (empty when the shards hold no names)."""
+        return {name: i for i, name in enumerate(self.index.names)}
+
+    @property
     def fingerprint(self) -> str:
         """The index's fingerprint (what a saved position belongs to)."""
         return self.index.fingerprint
