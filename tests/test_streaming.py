@@ -318,6 +318,28 @@ def test_resume_from_s3_streams_within_5_s_without_rereading(s3, tmp_path):
     assert s3fs  # the endpoint above is moto's
 
 
+def test_random_access_reads_ranges_and_in_order_reads_whole_shards(s3, tmp_path):
+    opts, bucket = s3["storage_options"], s3["bucket"]
+    truth = make_folder(tmp_path / "src", n=N)
+    url = f"s3://{bucket}/ranged"
+    write_shards(str(tmp_path / "src"), url, shard_size="6KB", storage_options=opts, progress=False, client=False)
+    ds = StreamingDataset(url, storage_options=opts, decoder=lambda b, ext: bytes(b))
+    picks = [97, 3, 51, 20, 88]  # a random sampler's order: each from another shard, out of order
+    assert len({int(ds.index.shard[i]) for i in picks}) == len(picks)
+    for i in picks:
+        assert ds[i] == truth[ds.index.keys[i]]
+    needed = sum(int(ds.index.length[i]) for i in picks)
+    assert ds.fetcher.bytes_read == needed  # the samples' bytes alone, one ranged GET each
+    before = ds.fetcher.bytes_read
+    first = int(ds.index.shard[0])
+    for i in range(4):  # in order from 0: the whole shard, kept for the next samples
+        assert ds[i] == truth[ds.index.keys[i]]
+    whole = sum(ds.index.sizes[j] for j in {int(ds.index.shard[i]) for i in range(4)})
+    assert ds.fetcher.bytes_read - before == whole
+    assert ds[2] == truth[ds.index.keys[2]]  # out of order again, but its shard is held: a slice, no GET
+    assert ds.fetcher.bytes_read - before == whole
+
+
 class SlowDown(OSError):
     code = "SlowDown"  # what storage.error_code reads: S3's throttling answer (moto cannot throttle on demand)
 

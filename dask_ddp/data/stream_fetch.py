@@ -1,11 +1,13 @@
-"""Fetching whole shards: the node cache first, then one GET each, retried with backoff, checked, prefetched.
+"""Fetching shards: the node cache first, then one GET each, retried with backoff, checked, prefetched.
 
 Runs in: the rank process and its DataLoader workers (one :class:`ShardFetcher` per process, made lazily).
 
 A whole-shard GET is the fast path on object stores (moto serves one large object at ~470 MiB/s and
 8 MiB ranged GETs at a tenth of that); the next shards a reader will need are fetched in a background
 thread pool while it decodes the current ones. Every shard is checked against the index's size and CRC-32:
-a truncated or corrupt one raises :class:`ShardDataError` naming it.
+a truncated or corrupt one raises :class:`ShardDataError` naming it. A single sample read out of order
+(``dataset[i]`` under a random sampler) is a ranged GET of its bytes instead (:meth:`ShardFetcher.get_range`),
+unless its shard is already held.
 """
 
 from __future__ import annotations
@@ -75,6 +77,26 @@ class ShardFetcher:
                 self.futures.pop(j, None)  # not kept: the next get() tries again
             raise
 
+    def get_range(self, j: int, offset: int, length: int) -> bytes:
+        """``length`` bytes of shard ``j`` at ``offset``: a slice of the shard when this process holds it or the
+        node cache has it, else one ranged GET (retried as whole shards are; not CRC-checked: a range is not).
+
+        Raises ShardDataError (fewer bytes than the index says), FileNotFoundError, PermissionError, OSError.
+        """
+        with self.lock:
+            fut = self.futures.get(j)
+        if fut is not None and fut.done() and fut.exception() is None:
+            return fut.result()[offset:offset + length]
+        if self.cache and not self.cache.broken:
+            data = self.cache.get(ShardCache.name(self.url(j), self.sizes[j], self.crcs[j]))
+            if data is not None and self._ok(j, data, raise_=False):
+                return data[offset:offset + length]
+        blob = self._fetch(j, offset, offset + length)
+        if len(blob) != length:
+            raise ShardDataError(f"shard {self.url(j)} is truncated or changed: {len(blob)} bytes at offset {offset}, "
+                                 f"the index says {length}; rebuild the dataset with write_shards", shard=self.url(j))
+        return blob
+
     def drop(self, j: int) -> None:
         """Forget shard ``j`` (its bytes are freed once no one holds them); raises nothing."""
         with self.lock:
@@ -122,13 +144,13 @@ class ShardFetcher:
                              shard=self.url(j))
         return False
 
-    def _fetch(self, j: int) -> bytes:
+    def _fetch(self, j: int, start: int | None = None, end: int | None = None) -> bytes:
         url, path = self.url(j), f"{self.fs_root.rstrip('/')}/{self.names[j]}"
         attempt = 0
         while True:
             try:
-                data = storage.call(lambda: self.fs.cat_file(path), url, doing="reading the shard",
-                                    storage_options=self.options)
+                data = storage.call(lambda: self.fs.cat_file(path, start=start, end=end), url,
+                                    doing="reading the shard", storage_options=self.options)
                 self.bytes_read += len(data)
                 return data
             except (PermissionError, FileNotFoundError):

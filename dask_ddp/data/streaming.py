@@ -96,6 +96,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         self._fetcher: ShardFetcher | None = None
         self._pid: int | None = None
         self._columns: dict[str, list] | None = None
+        self._last = -2  # the last sample dataset[i] read (in order or not)
 
     @property
     def classes(self) -> list[str]:
@@ -116,8 +117,17 @@ class StreamingDataset(torch.utils.data.Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
-        """``(sample, class)`` of sample ``i`` (fetches its whole shard, kept for the next samples)."""
-        return self.load(int(i))
+        """``(sample, class)`` of sample ``i``.
+
+        Read in order (``i`` is 0, or past the last sample read and in its shard or the next, as under a
+        sequential sampler, also split over DataLoader workers), it fetches the whole shard, kept for the next
+        samples; read out of order (a random sampler), it reads only the sample's bytes (a ranged GET) unless
+        its shard is held already. Raises as :meth:`load`.
+        """
+        i, last, shard = int(i), self._last, self.columns["shard"]
+        sequential = i == 0 or (0 <= last < i and shard[i] - shard[last] <= 1)
+        self._last = i
+        return self.load(i, ranged=not sequential)
 
     def loader(self, batch_size: int, **kwargs: Any) -> Any:
         """A :class:`~dask_ddp.data.StreamingLoader` over this dataset; arguments as there."""
@@ -143,19 +153,23 @@ class StreamingDataset(torch.utils.data.Dataset):
             self._pid = os.getpid()
         return self._fetcher
 
-    def load(self, i: int, shard_bytes: bytes | None = None) -> Any:
+    def load(self, i: int, shard_bytes: bytes | None = None, ranged: bool = False) -> Any:
         """Sample ``i`` decoded and transformed, as ``(sample, class)``; None when skipped (``on_error="skip"``).
 
+        Its bytes come from ``shard_bytes`` (its shard's), else from its whole shard fetched (and kept), or with
+        ``ranged`` from a ranged read of them alone.
         Raises SampleDecodeError (``on_error="raise"``), ShardDataError, OSError as the fetch does.
         """
         idx, cols = self.index, self.columns
         j = cols["shard"][i]
-        data = shard_bytes if shard_bytes is not None else self.fetcher.get(j)
         o, n = cols["offset"][i], cols["length"][i]
-        blob = data[o:o + n]
+        if ranged and shard_bytes is None:
+            blob = self.fetcher.get_range(j, o, n)
+        else:
+            blob = (shard_bytes if shard_bytes is not None else self.fetcher.get(j))[o:o + n]
         try:
             if len(blob) != n:
-                raise EOFError(f"{n} bytes expected at offset {o}, the shard has {len(data)}")
+                raise EOFError(f"{n} bytes expected at offset {o} of the shard, found {len(blob)}")
             sample = self.decoder(blob, idx.ext[i])
             if self.transform is not None:
                 sample = self.transform(sample)
