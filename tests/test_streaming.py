@@ -331,7 +331,6 @@ def test_random_access_reads_ranges_and_in_order_reads_whole_shards(s3, tmp_path
     needed = sum(int(ds.index.length[i]) for i in picks)
     assert ds.fetcher.bytes_read == needed  # the samples' bytes alone, one ranged GET each
     before = ds.fetcher.bytes_read
-    first = int(ds.index.shard[0])
     for i in range(4):  # in order from 0: the whole shard, kept for the next samples
         assert ds[i] == truth[ds.index.keys[i]]
     whole = sum(ds.index.sizes[j] for j in {int(ds.index.shard[i]) for i in range(4)})
