@@ -1,4 +1,4 @@
-"""``StreamingDataset``: samples packed in tar shards (ours or WebDataset's), read whole from any fsspec URL.
+"""``StreamingDataset``: samples packed in shards (ours, WebDataset's, MDS, LitData), read from any fsspec URL.
 
 Runs in: the rank process and its DataLoader workers (the dataset pickles as values: its filesystem,
 fetcher and cache are opened lazily in each process).
@@ -12,6 +12,7 @@ is also a plain map-style torch dataset (``dataset[i]``) for a ``DataLoader`` wi
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch.utils.data
 
-from dask_ddp.data import storage
+from dask_ddp.data import foreign_shards, storage
 from dask_ddp.data.folder_index import normalize_root, open_fs
 from dask_ddp.data.shards_format import INDEX_NAME, ShardDataError, ShardIndex, crc32, scan_tar
 from dask_ddp.data.stream_cache import ShardCache
@@ -44,12 +45,16 @@ def _decode(data: bytes, ext: str) -> Any:
 
 
 class StreamingDataset(torch.utils.data.Dataset):
-    """A dataset of tar shards at ``url``: ours (:func:`~dask_ddp.data.write_shards`) or WebDataset tars.
+    """A dataset of shards at ``url``: ours (:func:`~dask_ddp.data.write_shards`), WebDataset tars, or MDS
+    (Mosaic Streaming) and LitData shards as those libraries wrote them.
 
     Parameters
     ----------
     url : fsspec URL or local folder holding ``index.json`` and its shards, or ``*.tar`` WebDataset shards
-        (then indexed once, here, by reading their headers).
+        (then indexed once, here, by reading their headers). An MDS or LitData ``index.json`` is read with
+        each shard's offset table; a sample is then the image field of a record (a field named ``image``,
+        ``img``, ``jpg`` ... encoded ``jpeg``, ``png`` or ``bytes``) and its class the int field named
+        ``label``, ``cls``, ``class`` or ``target`` (-1 without one); keys are ``<shard>#<k>``.
     shuffle, seed : the epoch's order (see ``dask_ddp.data.stream_order``); the same seed and epoch give
         the same global order at any world size and number of DataLoader workers.
     transform, target_transform : applied to the decoded sample and to its class.
@@ -68,7 +73,8 @@ class StreamingDataset(torch.utils.data.Dataset):
     FileNotFoundError
         No such URL, or neither ``index.json`` nor ``*.tar`` files there (the message names it).
     ShardDataError
-        The index is not valid, or a WebDataset tar is corrupt or truncated (named).
+        The index is not valid, a WebDataset tar is corrupt or truncated (named), MDS or LitData shards are
+        compressed or encrypted, or hold no encoded image field.
     PermissionError
         The credentials were refused (the URL named, never the secret).
     ValueError
@@ -90,6 +96,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         self.transform, self.target_transform, self.decoder = transform, target_transform, decoder or _decode
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.cache_limit, self.retries, self.prefetch = int(cache_limit), retries, prefetch
+        self.layout: foreign_shards.Layout | None = None  # set for MDS or LitData shards
         self.index = self._read_index()
         self.shard_sizes = np.bincount(self.index.shard, minlength=len(self.index.shards))
         self._check_grouped()
@@ -170,10 +177,13 @@ class StreamingDataset(torch.utils.data.Dataset):
         try:
             if len(blob) != n:
                 raise EOFError(f"{n} bytes expected at offset {o} of the shard, found {len(blob)}")
-            sample = self.decoder(blob, idx.ext[i])
+            ext, target = idx.ext[i], cols["classes"][i]
+            if self.layout is not None:  # an MDS or LitData record: its image and class out of its fields
+                blob, ext, label = self.layout.parse(blob)
+                target = -1 if label is None else label
+            sample = self.decoder(blob, ext)
             if self.transform is not None:
                 sample = self.transform(sample)
-            target = cols["classes"][i]
             if self.target_transform is not None:
                 target = self.target_transform(target)
         except Exception as err:  # noqa: BLE001 - named below, raised or skipped as asked
@@ -200,6 +210,16 @@ class StreamingDataset(torch.utils.data.Dataset):
                                 storage_options=self.storage_options)
         except FileNotFoundError:
             return self._scan_webdataset(fs, root)
+        try:
+            fmt = foreign_shards.detect(json.loads(data))
+        except ValueError:
+            fmt = None
+        if fmt is not None:
+            base = root.rstrip("/")
+            index, self.layout = foreign_shards.read_index(fmt, json.loads(data), self.url, lambda name, a, b: (
+                storage.call(lambda: fs.cat_file(f"{base}/{name}", start=a, end=b), f"{self.url}/{name}",
+                             doing="reading its offset table", storage_options=self.storage_options)))
+            return index
         return ShardIndex.from_json(data, f"{self.url}/{INDEX_NAME}")
 
     def _scan_webdataset(self, fs: Any, root: str) -> ShardIndex:
