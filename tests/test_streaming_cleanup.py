@@ -73,3 +73,23 @@ def shard_name(index: ShardIndex, root: str, j: int) -> str:
     from dask_ddp.data.stream_cache import ShardCache
 
     return ShardCache.name(f"{root}/{index.shards[j]}", index.sizes[j], index.crcs[j])
+
+
+def test_cached_shards_are_shared_memory_maps_that_outlive_their_eviction(tmp_path):
+    """Every process of a host reads a cached shard as a read-only map of one file (its pages shared), and a
+    map stays readable after the cache evicts the file under it."""
+    import mmap
+
+    from dask_ddp.data.stream_cache import ShardCache
+
+    cache = ShardCache(tmp_path / "cache", 3000)
+    first, second = os.urandom(2000), os.urandom(2000)
+    cache.put("a.tar", first)
+    held = cache.get("a.tar")
+    assert isinstance(held, mmap.mmap) and held[:] == first and crc32(held) == crc32(first)
+    with open(tmp_path / "cache" / "a.tar", "r+b") as f:  # another process's view is the same pages
+        assert mmap.mmap(f.fileno(), 0)[10:20] == held[10:20]
+    cache.put("b.tar", second)  # over the limit: a.tar, used least recently, is evicted
+    assert not (tmp_path / "cache" / "a.tar").exists() and cache.get("a.tar") is None
+    assert held[:] == first  # the map taken before still reads the evicted file's bytes
+    assert cache.get("b.tar")[:] == second

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -47,8 +48,8 @@ def _rebuild(cls, message, shard, key):
     return cls(message, shard=shard, key=key)
 
 
-def crc32(data: bytes) -> int:
-    """The CRC-32 of ``data`` (zlib's, unsigned); raises nothing."""
+def crc32(data: bytes | memoryview | mmap.mmap) -> int:
+    """The CRC-32 of ``data`` (any buffer; zlib's, unsigned); raises nothing."""
     return zlib.crc32(data) & 0xFFFFFFFF
 
 

@@ -10,7 +10,8 @@ used and removed on the next start when its process is gone). No lock file and n
 is ever made: while one process downloads a shard, the others of the host wait for its cache file, and that
 claim is a Unix socket bound in Linux's abstract namespace, which the kernel removes when the process ends,
 however it ends. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a
-file open keeps its bytes until it closes it.
+file open keeps its bytes until it closes it. A cached shard is read as a read-only memory map: the processes
+of a host that hold the same shard share its pages (the page cache) instead of each holding a copy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import re
 import socket
@@ -47,17 +49,18 @@ class ShardCache:
         """The cache file's name for a shard: a hash of its URL, size and CRC-32; raises nothing."""
         return hashlib.sha256(f"{url}\0{size}\0{crc}".encode()).hexdigest()[:40] + ".tar"
 
-    def get(self, name: str) -> bytes | None:
-        """The cached bytes, or None (not cached, or the cache is off); raises nothing."""
+    def get(self, name: str) -> bytes | mmap.mmap | None:
+        """The cached shard as a read-only memory map (pages shared by the host's processes), or None (not
+        cached, or the cache is off); raises nothing."""
         if self.broken:
             return None
         path = os.path.join(self.folder, name)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
             os.utime(path)  # recently used: evicted last
             return data
-        except OSError:
+        except (OSError, ValueError):
             return None
 
     def claim(self, name: str) -> socket.socket | None:
@@ -77,7 +80,7 @@ class ShardCache:
                 return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # no abstract namespace: download anyway
             return None
 
-    def wait_for(self, name: str, timeout: float = 120.0) -> tuple[bytes | None, socket.socket | None]:
+    def wait_for(self, name: str, timeout: float = 120.0) -> tuple[bytes | mmap.mmap | None, socket.socket | None]:
         """The bytes another process is downloading (once cached), or a claim to download them here.
 
         Returns ``(data, None)`` or ``(None, claim)``: the other process finished, died or took longer than

@@ -13,6 +13,7 @@ unless its shard is already held.
 from __future__ import annotations
 
 import logging
+import mmap
 import random
 import threading
 import time
@@ -24,7 +25,10 @@ from dask_ddp.data import storage
 from dask_ddp.data.shards_format import ShardDataError, crc32
 from dask_ddp.data.stream_cache import ShardCache
 
-__all__ = ["ShardFetcher", "TRANSIENT_CODES"]
+__all__ = ["ShardFetcher", "TRANSIENT_CODES", "Blob"]
+
+#: A shard's bytes: fetched (bytes) or from the node cache (a read-only memory map, sliced like bytes)
+Blob = bytes | mmap.mmap
 
 logger = logging.getLogger("dask_ddp.data")
 TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "503", "500",
@@ -60,7 +64,7 @@ class ShardFetcher:
             while len(self.futures) > max(self.keep, len(shards)):
                 self.futures.popitem(last=False)  # the oldest: a later get() fetches it again
 
-    def get(self, j: int) -> bytes:
+    def get(self, j: int) -> Blob:
         """Shard ``j``'s bytes.
 
         Raises ShardDataError (corrupt, truncated), FileNotFoundError, PermissionError, OSError (after retries).
@@ -106,7 +110,7 @@ class ShardFetcher:
         """Stop the prefetch threads (running fetches finish); raises nothing."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _load(self, j: int) -> bytes:
+    def _load(self, j: int) -> Blob:
         if not self.cache or self.cache.broken:
             return self._checked(j)
         cache, name = self.cache, ShardCache.name(self.url(j), self.sizes[j], self.crcs[j])
@@ -130,7 +134,7 @@ class ShardFetcher:
         self._ok(j, data, raise_=True)
         return data
 
-    def _ok(self, j: int, data: bytes, raise_: bool) -> bool:
+    def _ok(self, j: int, data: Blob, raise_: bool) -> bool:
         size, crc = self.sizes[j], self.crcs[j]
         if size >= 0 and len(data) != size:
             problem = f"is truncated or changed: {len(data)} bytes, the index says {size}"
