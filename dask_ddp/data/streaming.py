@@ -163,8 +163,8 @@ class StreamingDataset(torch.utils.data.Dataset):
     def load(self, i: int, shard_bytes: Any = None, ranged: bool = False) -> Any:
         """Sample ``i`` decoded and transformed, as ``(sample, class)``; None when skipped (``on_error="skip"``).
 
-        Its bytes come from ``shard_bytes`` (its shard's: bytes or a memory map), else from its whole shard fetched (and kept), or with
-        ``ranged`` from a ranged read of them alone.
+        Its bytes come from ``shard_bytes`` (its shard's: bytes or a memory map), else from its whole shard
+        fetched (and kept), or with ``ranged`` from a ranged read of them alone.
         Raises SampleDecodeError (``on_error="raise"``), ShardDataError, OSError as the fetch does.
         """
         idx, cols = self.index, self.columns
