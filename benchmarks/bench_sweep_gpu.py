@@ -37,11 +37,12 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def gpu_trial(lr, frac, log_dir, steps=200, step_time=0.01):
+    entered = time.time()  # the function's start: the next trial's turnover ends here, CUDA's start begins
     ctx = dask_ddp.get_context()
     dev = torch.device(ctx.device)
     free0, total = mem_info(dev)
     with open(f"{log_dir}/{os.getpid()}", "a") as f:
-        f.write(f"{free0} {total}\n")
+        f.write(f"{free0} {total} {ctx.run_id} {entered}\n")
     block = torch.empty(int(total * frac), dtype=torch.uint8, device=dev)  # OOM here if memory was left behind
     block.fill_(1)
     x = torch.randn(1024, 1024, device=dev)
@@ -126,7 +127,10 @@ def main() -> None:
         poller.stop.set()
     states = df["state"].value_counts().to_dict()
     ooms = df[df["state"] == "FAILED"]["error"].fillna("").str.contains("out of memory|OutOfMemory").sum()
-    frees = [int(line.split()[0]) for p in Path(log_dir).iterdir() for line in p.read_text().split("\n") if line]
+    lines = [line.split() for p in Path(log_dir).iterdir() for line in p.read_text().split("\n") if line]
+    frees = [int(f[0]) for f in lines]
+    entered = {f[2]: float(f[3]) for f in lines}
+    to_fn, fn_to_report = [], []
     total = int(next(p for p in Path(log_dir).iterdir()).read_text().split()[1])
     gone, next_first = [], []
     for row in df[df["state"] == "PRUNED"].itertuples():
@@ -136,6 +140,10 @@ def main() -> None:
             nxt = later.sort_values("started").iloc[0]
             if nxt["first_report"] is not None and str(nxt["first_report"]) != "NaT":
                 next_first.append((nxt["first_report"] - row.stopped).total_seconds())
+                if nxt["run_id"] in entered:
+                    at = entered[nxt["run_id"]]
+                    to_fn.append(at - row.stopped.timestamp())
+                    fn_to_report.append(nxt["first_report"].timestamp() - at)
     peak = max(u for _, u, _ in poller.samples)
     procs = max(p for _, _, p in poller.samples)
     gib = 1 << 30
@@ -161,6 +169,10 @@ def main() -> None:
         f"| pruner's decision -> next trial's first report on that worker, median / p95 s | "
         f"{statistics.median(next_first):.3f} / {_p95(next_first):.3f} |" if next_first else
         "| decision -> next first report | none |",
+        f"| of which decision -> the next trial's function starts, median / p95 s | "
+        f"{statistics.median(to_fn):.3f} / {_p95(to_fn):.3f} |" if to_fn else "| decision -> function | none |",
+        f"| of which the function's start -> its first report (CUDA's start, allocation, 1 step), median / p95 s | "
+        f"{statistics.median(fn_to_report):.3f} / {_p95(fn_to_report):.3f} |" if fn_to_report else "| - | - |",
     ]
     failed = df[df["state"] == "FAILED"]
     if len(failed):
