@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dask_ddp.client import dispatch, search, sweep_detach, sweep_resume
+from dask_ddp.client import dispatch, search, sweep_continue, sweep_detach, sweep_resume
 from dask_ddp.client import sweep_checks as checks
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
@@ -44,7 +44,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
           max_workers: int | None = None, workers: Sequence[str] | None = None, max_failures: int | None = 3,
           args: Sequence = (), kwargs: dict | None = None, run_options: dict | None = None,
           storage: Any = None, name: str | None = None, seed: int | None = None, progress: bool = True,
-          detach: bool = False, exploit: bool = False, mlflow: Any = None) -> "Sweep":
+          detach: bool = False, exploit: bool = False, mlflow: Any = None,
+          load_if_exists: bool = False) -> "Sweep":
     """Run ``n_trials`` trials of ``train_fn``, each a DDP job of its own, on ``client``'s cluster; return a
     :class:`Sweep` at once.
 
@@ -115,6 +116,12 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         A :class:`dask_ddp.MLflowSink` as a template: the sweep gets a parent run in its tracking store and
         experiment, each trial a child run under it with its parameters and metrics
         (:mod:`dask_ddp.observe.mlflow_sweep`).
+    load_if_exists : bool
+        Continue the study ``name`` that ``storage`` holds (a sweep whose notebook died): its ended trials count
+        against ``n_trials`` and show in ``results()``; those it left running are failed as interrupted and
+        asked again, from their own checkpoints where ``train_fn`` takes ``resume_from``
+        (:mod:`dask_ddp.client.sweep_continue`). Not with ``detach=True`` (:func:`attach_sweep` follows a
+        detached sweep).
 
     Raises
     ------
@@ -133,7 +140,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     ClientClosedError
         The client is not connected.
     optuna.exceptions.DuplicatedStudyError
-        ``name`` names a study that ``storage`` holds already: give another name.
+        ``name`` names a study that ``storage`` holds already: give another name, or ``load_if_exists=True``
+        to continue it.
     """
     optuna = search.optuna_module()
     check_client(client)
@@ -159,6 +167,10 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     if resume_arg and "resume_from" in {**searched, **fixed, **kwargs}:
         raise ValueError("resume_from is the sweep's argument (the checkpoint folder a trial starts from): keep it "
                          "out of space and kwargs")
+    if load_if_exists and (storage is None or detach or not name):
+        raise ValueError("load_if_exists=True continues a study kept in a storage: give storage= (e.g. "
+                         "'sqlite:///sweep.db') and the sweep's name=, without detach=True (attach_sweep follows a "
+                         "detached sweep)")
     if exploit and not (resume_arg and run_options.get("checkpoint_dir")):
         raise ValueError("exploit=True starts trials from other trials' checkpoints: pass run_options="
                          "{'checkpoint_dir': url} and give train_fn a resume_from=None parameter")
@@ -173,7 +185,10 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         if storage is not None:
             optuna.create_study(**study_kw)  # refuses a name the storage holds already, here
         return Sweep(client, spec, sweep_detach.launch(client, spec, searched, study_kw))._start()
-    return Sweep(client, spec, Driver(client, spec, optuna.create_study(**study_kw), searched))._start()
+    driver = Driver(client, spec, optuna.create_study(load_if_exists=load_if_exists, **study_kw), searched)
+    if load_if_exists:
+        sweep_continue.adopt(driver)
+    return Sweep(client, spec, driver)._start()
 
 
 def attach_sweep(client: Client, name: str, *, progress: bool | None = None) -> "Sweep":

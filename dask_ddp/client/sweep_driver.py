@@ -30,7 +30,7 @@ from typing import Any
 
 import dask
 
-from dask_ddp.client import dispatch, sweep_resume
+from dask_ddp.client import dispatch, sweep_continue, sweep_resume
 from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
@@ -114,7 +114,7 @@ class Driver:
                 logger.warning("dask-ddp could not wait for job %s", job.run_id, exc_info=True)
         for number, trial in list(self._optuna.items()):
             try:
-                self.study.tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+                self._tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
             except Exception:  # noqa: BLE001 - told already, or the storage is gone
                 logger.warning("dask-ddp could not tell Optuna that trial %d ended", number, exc_info=True)
             with self.cond:
@@ -299,6 +299,7 @@ class Driver:
         self._jobs[number] = job
         with self.cond:
             rec.run_id, rec.checkpoint = job.run_id, job.checkpoint_dir
+        sweep_continue.remember(self._optuna[number], rec)
 
     # ---- ending --------------------------------------------------------------------------------------------
     def _tell(self, trial, value: float | None = None, state=None) -> None:
@@ -308,9 +309,13 @@ class Driver:
         optuna = self._optuna_mod()
         try:
             self.study.tell(trial, value, state=state)
-        except RuntimeError:
+        except (RuntimeError, KeyError) as err:
             sampler = self.study.sampler
-            if not (isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(self.study)):
+            if not isinstance(sampler, optuna.samplers.GridSampler):
+                raise
+            if isinstance(err, KeyError):  # an enqueued trial (resumed, continued) has no grid point of its own:
+                return  # GridSampler.after_trial looks its 'grid_id' up; Optuna stored the trial's end all the same
+            if not sampler.is_exhausted(self.study):
                 raise
             self.exhausted = True
 
