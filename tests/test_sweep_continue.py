@@ -42,6 +42,9 @@ def test_a_killed_notebooks_sweep_is_continued_from_its_study(tmp_path):
               "kwargs": {"folder": str(tmp_path)}, "run_options": {"checkpoint_dir": str(tmp_path / "ckpt")},
               "max_concurrent": 2, "progress": False}
     with local_client(2) as client:
+        for bad in ({}, {"storage": db}, {"storage": db, "name": name, "detach": True}):  # nothing to continue
+            with pytest.raises(ValueError, match="load_if_exists=True continues a study kept in a storage"):
+                dask_ddp.sweep(client, work, space, n_trials=1, metric="loss", load_if_exists=True, **bad)
         script = tmp_path / "notebook.py"
         script.write_text(textwrap.dedent(f"""
             import sys, time
