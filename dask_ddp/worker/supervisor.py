@@ -272,7 +272,7 @@ class Supervisor:
         match msg:
             case Events(items):  # a batch the rank gathered for a flush interval: on its way at once
                 self.relay.extend(items, now=True)
-            case Port(port):
+            case Port(port) if self.task.rank.world_size > 1:  # alone, a rank has nobody to tell (2 round trips)
                 Variable(self.task.port_variable).set(int(port))
                 Event(self.task.port_variable + "-ready").set()
             case NoticeSeen(notice, can_save):
