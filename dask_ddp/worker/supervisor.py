@@ -115,8 +115,9 @@ class Supervisor:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         # The next job's spare (or zygote) starts now, not while this one trains: importing torch beside a
         # training rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md). A job that
-        # may restart started it early instead (spare_early): then this is a no-op.
-        self.host.launcher.refill()
+        # may restart started it early instead (spare_early): then this is a no-op. With the zygote, the next
+        # job's rank is forked now too, while this outcome travels to the client.
+        self.host.launcher.refill(ahead=True)
         self.relay.stop()
         outcome.started = started
         outcome.last_seq = self.relay.seq
