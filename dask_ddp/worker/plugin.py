@@ -120,11 +120,12 @@ class Launcher:
             return self._zygote
 
     def _take_forked(self, timeout: float) -> ForkedRank | None:
-        """The rank forked ahead (waiting for a fork on its way), or None: none, or it has died meanwhile."""
+        """The rank forked ahead (waiting for a fork on its way), or None: none, or it or its zygote has died
+        meanwhile (an orphan ends itself within half a second: a job must not start in it)."""
         with self._lock:
             self._lock.wait_for(lambda: not self._forking, timeout=min(timeout, 30.0))
             forked, self._forked = self._forked, None
-        if forked is not None and not forked.alive():
+        if forked is not None and not (forked.alive() and forked.zygote.alive()):
             forked.kill()  # its socket, pipes and pidfd
             return None
         return forked
