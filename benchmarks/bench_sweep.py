@@ -4,12 +4,14 @@ then slot occupancy and stop turnover over 40 mixed 1- and 2-rank DDP trials wit
 Usage::
 
     python benchmarks/bench_sweep.py [--trials 200] [--work 0.1] [--mixed 40] [--out benchmarks/RESULTS_sweep.md]
-                                     [--ray-python /work/bench-venv-ray/bin/python]
+                                     [--ray-python /work/bench-venv-ray/bin/python] [--ray both|reuse|none]
 
 Ray Tune runs in a subprocess with ``--ray-python``, the interpreter of a virtual environment that has
 ``ray[tune]`` (``benchmarks/bench_sweep_ray.py`` says how to make it; Ray is no dependency of dask-ddp), twice:
-with Tune's defaults (a new trial actor per trial) and with ``reuse_actors=True``; skipped when that interpreter
-is missing.
+with Tune's defaults (a new trial actor per trial) and with ``reuse_actors=True`` (``--ray reuse``: only the
+latter, which takes about a minute where Tune's defaults take about 16; ``--ray none``: neither); skipped when
+that interpreter is missing. Whatever follows the line ``<!-- kept -->`` in ``--out`` (the profile of a job's
+start and end, measured by hand) is kept when the file is written again.
 
 Ours: ``dask_ddp.sweep`` on a LocalCluster of 2 worker processes (zygotes warmed first, as
 ``dispatch.warm_up`` does), random sampler, no pruning; each trial is a DDP job of 1 rank that sleeps
@@ -47,6 +49,7 @@ import dask_ddp
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 WORKERS = 2
+KEPT = "<!-- kept -->"  # what follows this line in --out is written by hand, and kept
 
 
 def trivial(x, work):
@@ -166,12 +169,15 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, default=40)
     parser.add_argument("--out", default="benchmarks/RESULTS_sweep.md")
     parser.add_argument("--ray-python", default="/work/bench-venv-ray/bin/python")
+    parser.add_argument("--ray", choices=("both", "reuse", "none"), default="both",
+                        help="which Ray Tune runs: Tune's defaults and reuse_actors=True, only the latter, or none")
     args = parser.parse_args()
     ideal = args.trials * args.work / WORKERS
     load = os.getloadavg()
     alone = optuna_alone(args.trials, args.work)
     mine = ours(args.trials, args.work)
-    rays = {reuse: ray_tune(args.ray_python, args.trials, args.work, reuse) for reuse in (False, True)}
+    modes = {"both": (False, True), "reuse": (True,), "none": ()}[args.ray]
+    rays = {reuse: ray_tune(args.ray_python, args.trials, args.work, reuse) for reuse in modes}
     mix = mixed(args.mixed) if args.mixed else None
 
     def per_trial(wall: float) -> float:
@@ -213,7 +219,9 @@ def main() -> None:
         ]
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    kept = out.read_text().partition(KEPT)[2] if out.exists() else ""
+    out.write_text(text + (f"\n{KEPT}{kept}" if kept else ""))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def rank_process_pids(client) -> dict:
 
 
 def leftover_processes(client, wait: float = 10.0) -> list:
-    """Descendants of the Dask worker processes that are not the (at most one) warm spare per worker.
+    """Descendants of the Dask worker processes that are not what a worker keeps warm (its zygote and the rank
+    it forked ahead for the next job, or its spare: ``rank_process_pids``' ``"spare"``).
 
     Waits up to ``wait`` seconds for killed processes to be reaped; returns what is left.
     """

@@ -244,9 +244,17 @@ def test_warm_up_starts_the_spares_the_next_job_uses(client):
     ready = dispatch.warm_up(client, timeout=120)
     assert sorted(ready) == sorted(scheduler_workers(client)) and all(ready.values())
     spares = {addr: got["spare"] for addr, got in rank_process_pids(client).items()}
-    assert all(len(p) == 1 for p in spares.values()), spares
+    # the zygote, and after an earlier job of the module the rank it forked ahead for the next job
+    assert all(1 <= len(p) <= 2 for p in spares.values()), spares
     parents = run(client, os.getppid).result(timeout=120)
     assert set(parents) == {p[0] for p in spares.values()}, "the job's ranks must be forks of the warmed zygotes"
+    def forked_ahead() -> dict | None:  # forked in the background at the job's end: it may be on its way
+        got = {addr: p["spare"][1:] for addr, p in rank_process_pids(client).items()}
+        return got if all(len(p) == 1 for p in got.values()) else None
+
+    ahead = wait_until(forked_ahead, timeout=60, what="each worker's rank forked ahead for the next job")
+    pids = run(client, os.getpid).result(timeout=120)
+    assert sorted(pids) == sorted(p[0] for p in ahead.values()), "the next job must run in the ranks forked ahead"
 
 
 def test_planning_sees_every_worker_while_the_client_refreshes_its_cache(client):

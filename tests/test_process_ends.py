@@ -241,6 +241,38 @@ def test_a_reaped_rank_process_is_never_signalled_by_its_pid(monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_rank_forked_ahead_serves_the_next_job_and_is_dropped_with_its_zygote():
+    """A job's end forks the next job's rank ahead (Launcher.refill(ahead=True)): the next take() hands it out
+    without a fork; once its zygote has died it is killed and a rank of a new zygote is handed out instead (the
+    orphan would end itself within half a second, under the job)."""
+    from dask_ddp.worker.plugin import Launcher
+
+    launcher = Launcher()
+    try:
+        launcher.refill(force=True)
+        assert launcher.wait_ready(120), "the zygote did not import torch"
+        launcher.refill(force=True, ahead=True)
+        zygote_pid, ahead = wait_until(lambda: (lambda p: p if len(p) == 2 else None)(launcher.pids()), 30,
+                                       what="the rank forked ahead")
+        rank = launcher.take()
+        assert rank.pid == ahead and launcher.pids() == [zygote_pid], "the next job must take the rank forked ahead"
+        rank.kill()
+        launcher.refill(force=True, ahead=True)
+        _, orphan = wait_until(lambda: (lambda p: p if len(p) == 2 else None)(launcher.pids()), 30,
+                               what="a second rank forked ahead")
+        os.kill(zygote_pid, signal.SIGKILL)
+        wait_until(lambda: zygote_pid not in launcher.pids(), 30, what="the zygote's death seen")
+        rank = launcher.take(timeout=120)
+        try:
+            assert rank.pid != orphan and rank.zygote.pid != zygote_pid, "a job must not start in an orphan"
+            wait_until(lambda: not psutil.pid_exists(orphan) or psutil.Process(orphan).status() ==
+                       psutil.STATUS_ZOMBIE, 30, what="the orphan's end")
+        finally:
+            rank.kill()
+    finally:
+        launcher.close()
+
+
 def test_a_forked_rank_reaped_by_its_zygote_is_never_signalled_by_its_pid(monkeypatch):
     """The zygote reaps the ranks it forks; once it has, the worker must not signal the rank's pid."""
     zygote = process.Zygote()

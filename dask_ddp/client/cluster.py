@@ -74,10 +74,14 @@ class DaskCluster:
 
     # ---- rank tasks ----------------------------------------------------------------------------------------
     def submit(self, tasks: list[RankTask]) -> list:
-        """Submit one pinned :func:`~dask_ddp.worker.supervisor.supervise` task per rank; return their futures."""
+        """Submit one pinned :func:`~dask_ddp.worker.supervisor.supervise` task per rank; return their futures. The
+        end of each wakes :meth:`events` (the job's end then waits for no poll)."""
         plugin.register(self.client)
-        return [self.client.submit(supervise, t, key=t.key, workers=[t.rank.address], allow_other_workers=False,
-                                   pure=False, retries=0) for t in tasks]
+        futures = [self.client.submit(supervise, t, key=t.key, workers=[t.rank.address], allow_other_workers=False,
+                                      pure=False, retries=0) for t in tasks]
+        for fut in futures:  # the controller looks at once when a rank's task ends, not at its next event wait
+            fut.add_done_callback(self.feed.wake)
+        return futures
 
     def outcome(self, future, task: RankTask) -> RankOutcome | None:
         """The rank's outcome once its task is done, else None. A task that failed becomes an ERROR outcome (a

@@ -97,11 +97,11 @@ class Controller:
         self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
         self._next_grow = 0.0
         self.stop_asked: tuple[str, float] | None = None  # stop(): the cause, and clock() by which to cancel instead
+        self._leftover: Any = None  # the ended attempt's RankTask, until its scheduler state is removed
 
     # ---- driving -------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Launch the first attempt (the events topic is subscribed already)."""
-        self._deliver(self.cluster.backfill())
+        """Launch the first attempt (the job's new topic is subscribed already: nothing to backfill yet)."""
         self._announce("PENDING", self.spec.first_plan)
         self._launch(0, self.spec.first_plan)
         self.callbacks("on_start", self.owner)
@@ -305,7 +305,7 @@ class Controller:
             capped = elastic.over_cap(self.preemptions, self.max_preemptions, self.run_id)
             decision = self._after_preemption(pre) if capped is None else policy.Decision(Action.FAIL, str(capped))
         self.cluster.release(att.futures)
-        self.cluster.cleanup(att.tasks[0])
+        self._leftover = att.tasks[0]  # its flag and port leave the scheduler after on_finish, or before a restart
         if capped is not None:
             self._end("FAILED", capped, decision.reason)
         elif decision.action == Action.FINISH:
@@ -330,6 +330,7 @@ class Controller:
         return policy.Decision(Action.RESTART, elastic.reason(pre, self.record.top_step, fallback, self.grace))
 
     def _begin_restart(self, att: Attempt, decision: policy.Decision) -> None:
+        self._clean_up()
         self._transition("RESTARTING", decision.reason)
         self.callbacks("on_restart", self.owner, att.index + 1)
         self._restart_need = policy.restart_request(self.spec.workers, att.plan.world_size)
@@ -379,6 +380,11 @@ class Controller:
         self.cluster.abort(self.attempt.tasks[0], cancel=cancel)
         logger.info("job %s: stopping every rank of attempt %d: %s", self.run_id, self.attempt.index + 1, cause)
 
+    def _clean_up(self) -> None:  # the ended attempt's abort flag and rendezvous port off the scheduler, once
+        task, self._leftover = self._leftover, None
+        if task is not None:
+            self.cluster.cleanup(task)
+
     def _cancelled(self, cause: str) -> None:
         self._end("CANCELLED", JobCancelledError(f"job {self.run_id} was cancelled; every rank was stopped"), cause)
 
@@ -389,5 +395,6 @@ class Controller:
         if error is not None:
             self.callbacks("on_failure", self.owner, error)
         self.callbacks("on_finish", self.owner)  # before waking result(): a sink's file is complete when it returns
+        self._clean_up()  # after on_finish: a scheduler round trip that the sweep's next trial need not wait for
         self.cluster.close()  # before waking result() too: the job's topic and handlers are gone when it returns
         self.record.settle()

@@ -29,6 +29,8 @@ __all__ = ["EventOrder", "TopicFeed", "WorkerWatch", "items_of"]
 
 logger = logging.getLogger("dask_ddp")
 
+_WAKE: dict = {}  # queued by TopicFeed.wake(): no batch, a reason to look
+
 
 class EventOrder:
     """Every batch once, in the order each rank sent it: no I/O, fed with what the topic delivers.
@@ -101,8 +103,13 @@ class TopicFeed:
         for batch in unpack(event[1]):  # a host's hub sends several ranks' batches in one event
             self.queue.put(batch)
 
+    def wake(self, *_) -> None:
+        """End the wait of a :meth:`get` now (from any thread): something other than an event needs a look (a
+        rank's task has ended); a :meth:`get` that is not waiting returns at once next time."""
+        self.queue.put(_WAKE)
+
     def get(self, wait: float) -> list[dict]:
-        """What arrived, waiting up to ``wait`` seconds for the first message."""
+        """What arrived, waiting up to ``wait`` seconds for the first message or a :meth:`wake`."""
         try:
             out = [self.queue.get(timeout=wait)]
         except queue.Empty:
@@ -111,7 +118,7 @@ class TopicFeed:
             try:
                 out.append(self.queue.get_nowait())
             except queue.Empty:
-                return out
+                return [batch for batch in out if batch is not _WAKE]
 
     def backfill(self) -> list[dict]:
         """What the scheduler holds for the topic (``get_events``)."""

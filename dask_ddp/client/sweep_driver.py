@@ -12,7 +12,8 @@ their watcher threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`)
    the trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks
    stopped. A job's end frees
    its workers (they are free only once every rank has stopped) and is told to Optuna;
-2. fill the free workers: ask Optuna for trials (a short line of them), pick which fits
+2. fill the free workers: ask Optuna for trials (a short line of them: ``LINE``, up to ``LINE_MAX`` while
+   none of them fits the free workers), pick which fits
    (:func:`~dask_ddp.client.placement.pick`), seat it (:func:`~dask_ddp.client.placement.place`) and
    start its job pinned to those workers (``dispatch.run(..., workers=[...])``);
 3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client
@@ -44,6 +45,7 @@ __all__ = ["Driver", "SweepSpec", "TrialHooks"]
 logger = logging.getLogger("dask_ddp")
 
 LINE = 2  # trials asked ahead of a free slot: a trial of another size may fit where the first does not
+LINE_MAX = 4  # ... and up to this many while none of them fits the free workers (which would idle meanwhile)
 PATIENCE = 4  # times the head of the line may be passed over before it holds the free workers for itself
 RECHECK = 1.0  # seconds between looks at the cluster while nothing ended (workers may have joined)
 
@@ -211,8 +213,9 @@ class Driver:
         if time.monotonic() < self._look_at:
             return
         self._look_at = time.monotonic() + RECHECK
+        reach = LINE
         while self._stop is None:
-            while len(self._line) < LINE and self._asked < self.spec.n_trials and not self.exhausted \
+            while len(self._line) < reach and self._asked < self.spec.n_trials and not self.exhausted \
                     and self._stop is None:
                 self._ask()
             cap = self.spec.max_concurrent
@@ -233,6 +236,10 @@ class Driver:
             i = pick(sizes, free_n, self._passed, PATIENCE)
             addresses = None if i is None else place(sizes[i], free)
             if i is None or addresses is None:  # nothing fits (pick() only picks what does)
+                more = self._asked < self.spec.n_trials and not self.exhausted
+                if more and free_n and self._passed < PATIENCE and len(self._line) >= reach < LINE_MAX:
+                    reach += 1  # a free worker would idle: look one trial further (a 1-rank one may fit)
+                    continue
                 return
             self._passed += i != 0
             self._launch(self._line.pop(i), addresses)

@@ -33,6 +33,7 @@ from dask_ddp.data import sharded_async
 from dask_ddp.rank import context, preemption, reporting, telemetry
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
+from dask_ddp.rank.warm import warm_imports
 from dask_ddp.wire import pickling
 from dask_ddp.wire.messages import (
     Events,
@@ -204,18 +205,6 @@ def context_of(task: RankTask, joined: Joined) -> context.Context:
         restart_count=task.attempt, max_restarts=task.max_restarts, worker=spec.address,
         master_addr=task.master_addr, master_port=joined.store.port, checkpoint_dir=task.checkpoint_dir,
         checkpoint_options=task.checkpoint_options)
-
-
-def warm_imports() -> None:
-    """Import what every job needs, so that a job does not wait for it: torch, its distributed package,
-    DDP and ``torch._dynamo`` (which DDP's first construction imports). Never initialises CUDA."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401 - DistributedDataParallel
-    try:  # DDP's first construction imports torch._dynamo: seconds that a job would otherwise wait for
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - an optional speed-up only
-        pass
 
 
 def serve(fd: int) -> None:

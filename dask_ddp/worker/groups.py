@@ -115,12 +115,25 @@ class ProcessGroup:
         return found
 
     def wait(self, timeout: float, interval: float = 0.05) -> bool:
-        """Wait up to ``timeout`` s until no member runs; True if none does."""
-        deadline = time.monotonic() + timeout
-        while self.running():
-            if time.monotonic() >= deadline:
+        """Wait up to ``timeout`` s until no member runs; True if none does.
+
+        Looks after 5 ms, then twice as long each time up to ``interval`` (a rank that is ending takes a few
+        ms); while the leader is the only member left, its pidfd wakes the wait as soon as it exits.
+        """
+        deadline, nap = time.monotonic() + timeout, min(0.005, interval)
+        while members := self.running():
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            time.sleep(interval)
+            fd = self._fd
+            try:
+                if members == [self.pid] and fd is not None:  # readable once it has exited
+                    select.select([fd], [], [], min(nap, left))
+                else:
+                    time.sleep(min(nap, left))
+            except (OSError, ValueError):  # closed meanwhile
+                time.sleep(min(nap, left))
+            nap = min(2 * nap, interval)
         return True
 
     def close(self) -> None:

@@ -57,19 +57,38 @@ def stop_marked(token: str) -> list[int]:
     """
     import psutil
 
-    mark, killed = f"{TOKEN_VARIABLE}={token}".encode(), []
-    for proc in psutil.process_iter(["uids"]):
+    killed = []
+    for pid in _marked(f"{TOKEN_VARIABLE}={token}".encode()):
         try:
-            if proc.pid == os.getpid() or proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+            proc = psutil.Process(pid)
+            if proc.uids().real != os.getuid():
                 continue
-            with open(f"/proc/{proc.pid}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
             proc.kill()
-            killed.append(proc.pid)
-        except (OSError, psutil.Error):  # gone meanwhile, or not ours to read
+            killed.append(pid)
+        except (OSError, psutil.Error):  # gone meanwhile, or not ours
             continue
     return killed
+
+
+def _marked(mark: bytes) -> list[int]:
+    """The pids (but this process's) whose environment holds ``mark``: one read of ``/proc/<pid>/environ`` each
+    (0.4 ms for 70 processes, where psutil's iteration with each one's uids took 3.5 ms: at every rank's end)."""
+    found: list[int] = []
+    me = os.getpid()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 class _Rank:

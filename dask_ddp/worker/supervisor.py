@@ -115,8 +115,9 @@ class Supervisor:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         # The next job's spare (or zygote) starts now, not while this one trains: importing torch beside a
         # training rank slowed its steps by 15% on a 2-core box (benchmarks/RESULTS_dispatch.md). A job that
-        # may restart started it early instead (spare_early): then this is a no-op.
-        self.host.launcher.refill()
+        # may restart started it early instead (spare_early): then this is a no-op. With the zygote, the next
+        # job's rank is forked now too, while this outcome travels to the client.
+        self.host.launcher.refill(ahead=True)
         self.relay.stop()
         outcome.started = started
         outcome.last_seq = self.relay.seq
@@ -272,7 +273,7 @@ class Supervisor:
         match msg:
             case Events(items):  # a batch the rank gathered for a flush interval: on its way at once
                 self.relay.extend(items, now=True)
-            case Port(port):
+            case Port(port) if self.task.rank.world_size > 1:  # alone, a rank has nobody to tell (2 round trips)
                 Variable(self.task.port_variable).set(int(port))
                 Event(self.task.port_variable + "-ready").set()
             case NoticeSeen(notice, can_save):

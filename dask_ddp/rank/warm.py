@@ -1,0 +1,61 @@
+"""What every rank needs before its job, done once where ranks come from, so that no job waits for it.
+
+Runs in: the zygote (:mod:`dask_ddp.rank.zygote`), before it says it is ready, and a spawned rank process
+(``ddp.zygote: false``) before its Ready. A rank forked from the zygote inherits all of it.
+
+Measured per rank start on the 2-core development box (torch 2.14, 274 installed distributions), before this
+was done in the zygote: torch's registration of its built-in backends 28 ms of CPU, the modules a job's start imports
+(the telemetry's collectives, the ``idna`` codec of the first socket call given a host name) 10-15 ms.
+Nothing here initialises CUDA or starts a thread (the zygote forks: see its module docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["warm_imports", "register_backends"]
+
+logger = logging.getLogger("dask_ddp")
+
+
+def warm_imports() -> None:
+    """Import what every job needs: torch, its distributed package, DDP, ``torch._dynamo`` (which DDP's first
+    construction imports), what a job's start imports lazily; and register torch's built-in backends
+    (:func:`register_backends`). Never initialises CUDA. Raises what ``import torch`` raises."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401 - DistributedDataParallel
+    try:  # DDP's first construction imports torch._dynamo: seconds that a job would otherwise wait for
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - an optional speed-up only
+        pass
+    import encodings.idna  # noqa: F401 - the codec of a host name, imported at the first socket call given one
+
+    from dask_ddp.rank import collectives  # noqa: F401 - the telemetry sampler's, imported at each job's start
+
+    register_backends()
+
+
+def register_backends(names: tuple[str, ...] = ("gloo", "nccl")) -> bool:
+    """Have torch register its built-in backends ``names`` now, as its first ``init_process_group`` would; True if
+    it did.
+
+    torch 2.14 registers even its built-in backends through entry points (``torch.distributed.backends``): the
+    first process group of a process reads the entry points of every installed distribution to find the
+    registrar (28 ms of CPU here, 274 distributions), and every rank forked from the zygote was such a first.
+    Registered here, in the zygote, the ranks find them registered. Registration only records the backend's
+    constructor (no CUDA, no thread). Where torch has no such step (another version), nothing is done. Raises
+    nothing.
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        ensure = getattr(c10d.Backend, "_ensure_backend_registered", None)  # private: guarded
+        if ensure is None:
+            return False
+        for name in names:
+            ensure(name)
+    except Exception:  # noqa: BLE001 - an optional speed-up only: torch registers them at the first group then
+        logger.debug("dask-ddp: torch's backends were not registered in advance", exc_info=True)
+        return False
+    return True
