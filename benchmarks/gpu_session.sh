@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of a session on a lent GPU machine (see docs/guide/kubernetes.md): the GPU tests and the demo on
-# LocalCUDACluster (part "checks"; "decode": the GPU decode test alone), jobs in a row with nccl ("jobs"), one GPU rank beside torchrun ("bench",
+# LocalCUDACluster (part "checks"; "tests": the GPU tests alone; "decode": the GPU decode test alone), jobs in a row with nccl ("jobs"), one GPU rank beside torchrun ("bench",
 # benchmarks/bench_gpu.py), JPEG decoding on the GPU vs the CPU path ("stream", bench_streaming_gpu.py) and 200
 # early-stopped sweep trials with GPU memory read by NVML ("sweep", bench_sweep_gpu.py). Usage:
 # bash benchmarks/gpu_session.sh [PART ...] (default: checks stream sweep). Each part has its own time limit, so
@@ -22,11 +22,13 @@ for part in $parts; do
         tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py 2>&1 | tail -25
       echo "== $(date +%T) dask-ddp demo (LocalCUDACluster)"
       ( time timeout 90 python3 -m dask_ddp.cli demo ) 2>&1 | grep -v "^\[rank" | tail -12 ;;
+    tests) timeout 130 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
+        tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py 2>&1 | tail -25 ;;
     decode) timeout 60 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tail -15 ;;
     jobs) timeout 200 python3 benchmarks/gpu_jobs.py --jobs 5 2>&1 | grep -v "INFO\|^\[rank" | tail -8 ;;
     bench) timeout 540 python3 benchmarks/bench_gpu.py --images 512 --repeats 2 --out "$out/RESULTS_gpu.md" 2>&1 \
         | grep -v "INFO\|^\[rank" | tail -30 ;;
-    stream) timeout 80 python3 benchmarks/bench_streaming_gpu.py --images 3000 --small 10000 --workers 4,12 \
+    stream) timeout 110 python3 benchmarks/bench_streaming_gpu.py --images 3000 --small 10000 --workers 4,12 \
         --rounds 2 --out "$out/RESULTS_streaming_gpu.md" 2>&1 | grep -v "INFO" | tail -30 ;;
     sweep) timeout 180 python3 benchmarks/bench_sweep_gpu.py --trials 200 --workers 3 --frac 0.3 \
         --out "$out/RESULTS_sweep_gpu.md" 2>&1 | grep -v "INFO\|^\[rank" | tail -40 ;;
