@@ -345,7 +345,14 @@ def test_progress_and_cancel_from_a_client_that_reaches_only_the_scheduler(three
 
 def _rank_processes(hosts) -> list[str]:
     """Rank processes in any simulated host, as 'ns pid cmd': each is forked from its worker's zygote (same command
-    line, the zygote its parent), or with ``ddp.zygote: false`` a ``python -m dask_ddp.rank.main``."""
+    line, the zygote its parent), or with ``ddp.zygote: false`` a ``python -m dask_ddp.rank.main``. The rank a
+    worker forked ahead for its next job (``rank_process_pids``' spare) is no job's and is left out."""
+    from dask_ddp.worker.plugin import rank_process_pids
+
+    try:
+        spares = {p for got in hosts.client.run(rank_process_pids).values() for p in got["spare"]}
+    except Exception:  # noqa: BLE001 - a worker leaving meanwhile: ask again at the next look
+        return ["(the workers could not be asked for their spare ranks)"]
     out = []
     for h in hosts.hosts:
         for pid in ip("netns", "pids", h.ns, check=False).split():
@@ -355,7 +362,7 @@ def _rank_processes(hosts) -> list[str]:
                 parent = proc.parent()
                 forked = "dask_ddp.rank.zygote" in cmd and parent is not None and "dask_ddp.rank.zygote" in " ".join(
                     parent.cmdline())
-                if forked or "dask_ddp.rank.main" in cmd:
+                if (forked or "dask_ddp.rank.main" in cmd) and int(pid) not in spares:
                     out.append(f"{h.ns} {pid} {cmd[:80]}")
             except (psutil.Error, ValueError):
                 pass

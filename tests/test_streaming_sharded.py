@@ -1,8 +1,10 @@
 """Exactly once per epoch through a sharded checkpoint: FSDP2 on 2 ranks saves mid-epoch, 3 ranks resume.
 
-Real parts: real JPEGs in tar shards on local disk, forked ranks in one gloo group (``sharded_ranks.run_ranks``),
-FSDP2's ``fully_shard`` and ``save_sharded``/``load_sharded`` over torch DCP (resharded 2 -> 3), DataLoader
-worker processes (2 ranks x 1 worker, then 3 ranks x 2 workers). The loader's position is never saved by hand.
+Real parts: real JPEGs in tar shards on local disk, two dask-ddp jobs on a LocalCluster of 3 worker processes
+(gloo), FSDP2's ``fully_shard`` and ``save_sharded``/``load_sharded`` over torch DCP (resharded 2 -> 3),
+DataLoader worker processes (2 ranks x 1 worker, then 3 ranks x 2 workers). The loader's position is never saved
+by hand. (Ranks forked from the pytest process itself hung once in a full-suite run: it holds other tests'
+threads, and the ranks fork DataLoader workers in turn.)
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ from __future__ import annotations
 import collections
 import json
 
-import torch._dynamo  # noqa: F401 - imported once here, not in every forked rank (fully_shard needs it)
-import torch.distributed.fsdp  # noqa: F401
-from sharded_ranks import run_ranks
+from _cluster import leftover_processes, local_client, run
 from test_streaming import make_folder
 
 import dask_ddp
@@ -29,10 +29,11 @@ def to_tensor(img):
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-def _phase(rank, world, url, save_dir, log_dir, phase):
+def _phase(url, save_dir, log_dir, phase):
     import torch
     from torch.distributed.fsdp import fully_shard
 
+    rank = dask_ddp.get_context().rank
     loader = StreamingDataset(url, seed=3, transform=to_tensor, buffer=16).loader(
         2, num_workers=1 if phase == 0 else 2, policy="pad")
     torch.manual_seed(0)
@@ -65,8 +66,10 @@ def test_sharded_checkpoint_resumes_the_epoch_exactly_once_on_another_world_size
     logs = tmp_path / "logs"
     logs.mkdir()
     save_dir = str(tmp_path / "ckpt")
-    assert run_ranks(2, _phase, url, save_dir, str(logs), 0, timeout=180) == [SAVED_AT + 2] * 2
-    ends = run_ranks(3, _phase, url, save_dir, str(logs), 1, timeout=180)
+    with local_client(3) as client:
+        assert run(client, _phase, url, save_dir, str(logs), 0, workers=2).result(timeout=300) == [SAVED_AT + 2] * 2
+        ends = run(client, _phase, url, save_dir, str(logs), 1, workers=3).result(timeout=300)
+        assert leftover_processes(client) == []
     held, resumed = [], set()
     for path in sorted(logs.glob("p*.jsonl")):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
