@@ -91,7 +91,11 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
 # Put into a notebook's code: prints ``word`` once its main thread waits inside dask-ddp's Job.wait, so that a
 # signal the test sends on reading it always lands in that wait (never just before it).
 WHEN_WAITING = textwrap.dedent('''
-    import faulthandler, sys, threading, time
+    import faulthandler, signal, sys, threading, time
+    # a kernel handles SIGINT; a child started from a process that ignores it inherits SIG_IGN and Python then
+    # installs no handler: the interrupt would be lost (both tests failed so in full-suite runs, where the pytest
+    # process had SIGINT ignored; a child's stack showed result() still waiting after 150 s)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # a notebook stuck after its interrupt (seen once in a full-suite run) says where, then ends: the test fails
     # with these stacks in its message instead of timing out blind
     faulthandler.dump_traceback_later(150, exit=True)
