@@ -83,15 +83,21 @@ def mixed(trials: int) -> dict:
     span = (df["ended"].max() - df["started"].min()).total_seconds()
     busy = ((df["ended"] - df["started"]).dt.total_seconds() * df["ranks"]).sum()
     gone, next_first = [], []
-    for row in df[df["state"] == "PRUNED"].itertuples():
+    for row, nxt in after_stops(df):
         gone.append((row.ended - row.stopped).total_seconds())
-        mine = set(row.workers.split(","))
-        later = df[(df["started"] >= row.ended) & df["workers"].map(lambda w: bool(mine & set(w.split(","))))]
-        if len(later):
-            nxt = later.sort_values("started").iloc[0]
+        if nxt is not None:
             next_first.append((nxt["first_report"] - row.stopped).total_seconds())
     return {"occupancy": busy / (4 * span), "span": span, "pruned": len(gone), "complete": int(
         (df["state"] == "COMPLETE").sum()), "gone": gone, "next_first": next_first}
+
+
+def after_stops(df):
+    """For each PRUNED trial of a sweep's ``results()``: ``(its row, the first trial started on one of its workers
+    after it ended)``, the second None when none was (also used by bench_sweep_gpu.py)."""
+    for row in df[df["state"] == "PRUNED"].itertuples():
+        mine = set(row.workers.split(","))
+        later = df[(df["started"] >= row.ended) & df["workers"].map(lambda w: bool(mine & set(w.split(","))))]
+        yield row, (later.sort_values("started").iloc[0] if len(later) else None)
 
 
 def job_phases(client, work: float, n: int = 10) -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import optuna
 import torch
+from bench_sweep import _p95, after_stops  # the same p95 and the same next trial on a stopped trial's workers
 from dask.distributed import Client, LocalCluster
 
 import dask_ddp
@@ -94,10 +95,6 @@ class NvmlPoller(threading.Thread):
             time.sleep(0.01)
 
 
-def _p95(v):
-    return sorted(v)[max(0, int(round(0.95 * len(v))) - 1)] if v else float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=200)
@@ -133,17 +130,14 @@ def main() -> None:
     to_fn, fn_to_report = [], []
     total = int(next(p for p in Path(log_dir).iterdir()).read_text().split()[1])
     gone, next_first = [], []
-    for row in df[df["state"] == "PRUNED"].itertuples():
+    for row, nxt in after_stops(df):
         gone.append((row.ended - row.stopped).total_seconds())
-        later = df[(df["started"] >= row.ended) & (df["workers"] == row.workers)]
-        if len(later):
-            nxt = later.sort_values("started").iloc[0]
-            if nxt["first_report"] is not None and str(nxt["first_report"]) != "NaT":
-                next_first.append((nxt["first_report"] - row.stopped).total_seconds())
-                if nxt["run_id"] in entered:
-                    at = entered[nxt["run_id"]]
-                    to_fn.append(at - row.stopped.timestamp())
-                    fn_to_report.append(nxt["first_report"].timestamp() - at)
+        if nxt is not None and nxt["first_report"] is not None and str(nxt["first_report"]) != "NaT":
+            next_first.append((nxt["first_report"] - row.stopped).total_seconds())
+            if nxt["run_id"] in entered:
+                at = entered[nxt["run_id"]]
+                to_fn.append(at - row.stopped.timestamp())
+                fn_to_report.append(nxt["first_report"].timestamp() - at)
     peak = max(u for _, u, _ in poller.samples)
     procs = max(p for _, _, p in poller.samples)
     gib = 1 << 30
