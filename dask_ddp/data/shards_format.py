@@ -92,10 +92,11 @@ class ShardIndex:
             "names": list(self.names)}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, url: str) -> ShardIndex:
-        """Parse an index file; raise :class:`ShardDataError` naming ``url`` when it is not one or not consistent."""
+    def from_json(cls, data: bytes | dict, url: str) -> ShardIndex:
+        """Parse an index file (its bytes, or the dict a caller parsed them to already); raise
+        :class:`ShardDataError` naming ``url`` when it is not one or not consistent."""
         try:
-            d = json.loads(data)
+            d = data if isinstance(data, dict) else json.loads(data)
             if d.get("format") != FORMAT:
                 raise ValueError(f"format {d.get('format')!r}, expected {FORMAT!r}")
             index = cls.build(d["shards"], d["sizes"], d["crcs"], d["keys"], d["classes"], d["shard"],

@@ -210,17 +210,18 @@ class StreamingDataset(torch.utils.data.Dataset):
                                 storage_options=self.storage_options)
         except FileNotFoundError:
             return self._scan_webdataset(fs, root)
-        try:
-            fmt = foreign_shards.detect(json.loads(data))
+        try:  # parsed once: the index of a million samples is tens of megabytes of JSON
+            doc = json.loads(data)
         except ValueError:
-            fmt = None
+            doc = None  # from_json below names what is wrong with it
+        fmt = foreign_shards.detect(doc)
         if fmt is not None:
             base = root.rstrip("/")
-            index, self.layout = foreign_shards.read_index(fmt, json.loads(data), self.url, lambda name, a, b: (
+            index, self.layout = foreign_shards.read_index(fmt, doc, self.url, lambda name, a, b: (
                 storage.call(lambda: fs.cat_file(f"{base}/{name}", start=a, end=b), f"{self.url}/{name}",
                              doing="reading its offset table", storage_options=self.storage_options)))
             return index
-        return ShardIndex.from_json(data, f"{self.url}/{INDEX_NAME}")
+        return ShardIndex.from_json(doc if isinstance(doc, dict) else data, f"{self.url}/{INDEX_NAME}")
 
     def _scan_webdataset(self, fs: Any, root: str) -> ShardIndex:
         try:
