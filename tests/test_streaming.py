@@ -337,6 +337,13 @@ def test_random_access_reads_ranges_and_in_order_reads_whole_shards(s3, tmp_path
     assert ds.fetcher.bytes_read - before == whole
     assert ds[2] == truth[ds.index.keys[2]]  # out of order again, but its shard is held: a slice, no GET
     assert ds.fetcher.bytes_read - before == whole
+    warm = StreamingDataset(url, storage_options=opts, decoder=lambda b, ext: bytes(b), cache_dir=tmp_path / "c")
+    for i in range(4):  # in order: whole shards, into the node cache
+        warm[i]
+    cold = StreamingDataset(url, storage_options=opts, decoder=lambda b, ext: bytes(b), cache_dir=tmp_path / "c")
+    assert cold[2] == truth[cold.index.keys[2]] and cold[1] == truth[cold.index.keys[1]]
+    assert cold.fetcher.bytes_read == 0 and int(cold.index.shard[2]) in cold.fetcher.futures  # the cached shard,
+    # checked once and held for its next samples
 
 
 class SlowDown(OSError):

@@ -91,10 +91,9 @@ class ShardFetcher:
             fut = self.futures.get(j)
         if fut is not None and fut.done() and fut.exception() is None:
             return fut.result()[offset:offset + length]
-        if self.cache and not self.cache.broken:
-            data = self.cache.get(ShardCache.name(self.url(j), self.sizes[j], self.crcs[j]))
-            if data is not None and self._ok(j, data, raise_=False):
-                return data[offset:offset + length]
+        if self.cache and not self.cache.broken and self.cache.get(
+                ShardCache.name(self.url(j), self.sizes[j], self.crcs[j])) is not None:
+            return self.get(j)[offset:offset + length]  # checked once, then held for the shard's next samples
         blob = self._fetch(j, offset, offset + length)
         if len(blob) != length:
             raise ShardDataError(f"shard {self.url(j)} is truncated or changed: {len(blob)} bytes at offset {offset}, "
