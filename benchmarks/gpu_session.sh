@@ -13,17 +13,19 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 nvidia-smi -L
 python3 -c "import torch, dask, distributed, dask_cuda; print('torch', torch.__version__, 'dask', dask.__version__, 'dask-cuda', dask_cuda.__version__)"
+gpu_tests() {  # the GPU tests, within $1 seconds
+  timeout "$1" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
+    tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py 2>&1 | tail -25
+}
 parts=${*:-checks stream sweep}
 for part in $parts; do
   echo "== $(date +%T) $part"
   case $part in
     checks)
-      timeout 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
-        tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py 2>&1 | tail -25
+      gpu_tests 150
       echo "== $(date +%T) dask-ddp demo (LocalCUDACluster)"
       ( time timeout 90 python3 -m dask_ddp.cli demo ) 2>&1 | grep -v "^\[rank" | tail -12 ;;
-    tests) timeout 130 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
-        tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py 2>&1 | tail -25 ;;
+    tests) gpu_tests 130 ;;
     decode) timeout 60 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tail -15 ;;
     jobs) timeout 200 python3 benchmarks/gpu_jobs.py --jobs 5 2>&1 | grep -v "INFO\|^\[rank" | tail -8 ;;
     bench) timeout 540 python3 benchmarks/bench_gpu.py --images 512 --repeats 2 --out "$out/RESULTS_gpu.md" 2>&1 \
