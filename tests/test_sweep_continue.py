@@ -29,6 +29,8 @@ def work(lr, folder, resume_from=None, steps=8, step_time=0.25):
     first = state["step"] + 1 if state else 0
     with open(os.path.join(folder, f"{ctx.run_id}.first"), "w") as f:
         f.write(str(first))
+    if first >= steps:  # the interrupted trial had saved its last step: report its value, as a finished trial
+        dask_ddp.report(loss=lr + 1.0 / steps, step=steps - 1)
     for step in range(first, steps):
         dask_ddp.report(loss=lr + 1.0 / (step + 1), step=step)
         dask_ddp.save_checkpoint({"step": step}, step)
@@ -98,6 +100,6 @@ def test_a_killed_notebooks_sweep_is_continued_from_its_study(tmp_path):
         assert len(again) == 1 and again["params_lr"].iloc[0] == row.params_lr, show
         first = int((tmp_path / f"{again['run_id'].iloc[0]}.first").read_text())
         # from the interrupted trial's own checkpoint: it saved each step after reporting it
-        assert first >= row.steps - 1 and again["steps"].iloc[0] == 8 - first, (row, first, show)
+        assert first >= row.steps - 1 and again["steps"].iloc[0] == max(1, 8 - first), (row, first, show)
     study = optuna.load_study(study_name=name, storage=db)
     assert len(study.trials) == len(df) and {t.state.name for t in study.trials} <= {"COMPLETE", "FAIL"}
