@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import dask
 import optuna
 import torch
 from bench_sweep import _p95, after_stops  # the same p95 and the same next trial on a stopped trial's workers
@@ -37,7 +38,7 @@ import dask_ddp
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def gpu_trial(lr, frac, log_dir, steps=200, step_time=0.01):
+def gpu_trial(lr, frac, log_dir, steps=200, step_time=0.01, ddp=False):
     entered = time.time()  # the function's start: the next trial's turnover ends here, CUDA's start begins
     ctx = dask_ddp.get_context()
     dev = torch.device(ctx.device)
@@ -47,6 +48,9 @@ def gpu_trial(lr, frac, log_dir, steps=200, step_time=0.01):
     block = torch.empty(int(total * frac), dtype=torch.uint8, device=dev)  # OOM here if memory was left behind
     block.fill_(1)
     x = torch.randn(1024, 1024, device=dev)
+    if ddp:  # a DDP model, as a trial written for dispatch.run has: its construction makes the nccl communicator
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1024, 1024, device=dev))
+        x = model(x).detach()
     for step in range(steps):
         x = torch.tanh(x @ x)
         dask_ddp.report(loss=lr + 1.0 / (step + 1) + float(x[0, 0]) * 0, step=step)
@@ -102,7 +106,10 @@ def main() -> None:
     ap.add_argument("--frac", type=float, default=0.3)
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script without a GPU")
     ap.add_argument("--out", default="")
+    ap.add_argument("--ddp", action="store_true", help="each trial wraps a model in DDP (its nccl communicator)")
+    ap.add_argument("--cold", action="store_true", help="ddp.sweep.warm-cuda: false (CUDA starts in the job)")
     a = ap.parse_args()
+    dask.config.set({"ddp.sweep.warm-cuda": not a.cold})
     poller = NvmlPoller(a.device)
     base = poller.read()[1]
     log_dir = tempfile.mkdtemp(prefix="sweep-gpu-")
@@ -113,7 +120,7 @@ def main() -> None:
         t = time.perf_counter()
         s = dask_ddp.sweep(client, gpu_trial, {"lr": {"low": 0.0, "high": 1.0}}, n_trials=a.trials, metric="loss",
                            scheduler=optuna.pruners.ThresholdPruner(upper=0.0, n_warmup_steps=3), sampler="random",
-                           kwargs={"frac": a.frac, "log_dir": log_dir}, max_failures=None, seed=0, progress=False,
+                           kwargs={"frac": a.frac, "log_dir": log_dir, "ddp": a.ddp}, max_failures=None, seed=0, progress=False,
                            run_options={"backend": "nccl" if a.device == "cuda" else "gloo"})
         assert s.wait(1800), s
         wall, ended = time.perf_counter() - t, time.time()
@@ -144,11 +151,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (a check of the script)"
     lines = [
         "# Sweep turnover on a GPU: consecutive early stops, GPU memory by NVML", "",
-        f"`python benchmarks/bench_sweep_gpu.py --trials {a.trials} --workers {a.workers} --frac {a.frac}` on "
+        f"`python benchmarks/bench_sweep_gpu.py --trials {a.trials} --workers {a.workers} --frac {a.frac}"
+        f"{' --ddp' if a.ddp else ''}{' --cold' if a.cold else ''}` on "
         f"{name} ({total / gib:.0f} GiB), torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
         f" {a.trials} one-rank trials on {a.workers} workers sharing the GPU, each holding {a.frac:.0%} of its memory,"
-        " every one pruned at step 3.", "",
+        " every one pruned at step 3."
+        f" CUDA started ahead in the next rank (ddp.sweep.warm-cuda): {'no' if a.cold else 'yes'};"
+        f" trial wraps a model in DDP: {'yes' if a.ddp else 'no'}.", "",
         "| | |", "|---|---:|",
         f"| trials: states | {', '.join(f'{k} {v}' for k, v in sorted(states.items()))} |",
         f"| CUDA OOMs | **{ooms}** |",

@@ -11,6 +11,7 @@ known. The result is a frozen :class:`~dask_ddp.wire.spec.LaunchSpec`; the
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import numbers
@@ -46,6 +47,8 @@ __all__ = ["run", "attach", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 MAX_NAME = 100
+# ddp.warm-cuda for the jobs this thread starts (None: the config's): a sweep's driver thread sets True for its trials
+WARM_CUDA: contextvars.ContextVar[bool | None] = contextvars.ContextVar("dask_ddp_warm_cuda", default=None)
 
 def _local_module(fn: Callable):
     """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
@@ -324,6 +327,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
         echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
+        warm_cuda=bool(cfg.get("warm-cuda", False) if WARM_CUDA.get() is None else WARM_CUDA.get()),
         **_telemetry(cfg["telemetry"]))
 
 

@@ -33,7 +33,7 @@ from dask_ddp.data import sharded_async
 from dask_ddp.rank import context, preemption, reporting, telemetry
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
-from dask_ddp.rank.warm import warm_imports
+from dask_ddp.rank.warm import warm_cuda, warm_imports
 from dask_ddp.wire import pickling
 from dask_ddp.wire.messages import (
     Events,
@@ -44,6 +44,7 @@ from dask_ddp.wire.messages import (
     Stacks,
     StacksRequest,
     Start,
+    WarmCuda,
 )
 from dask_ddp.wire.task import RankTask
 
@@ -215,6 +216,9 @@ def serve(fd: int) -> None:
     chan.send(Ready(os.getpid()))
     try:
         msg = chan.conn.recv()
+        if isinstance(msg, WarmCuda):  # forked ahead of its job: start CUDA while the job is on its way
+            warm_cuda()
+            msg = chan.conn.recv()
     except (EOFError, OSError):
         os._exit(0)
     if not isinstance(msg, Start):

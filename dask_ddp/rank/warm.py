@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["warm_imports", "register_backends"]
+__all__ = ["warm_imports", "register_backends", "warm_cuda"]
 
 logger = logging.getLogger("dask_ddp")
+WARMED = False  # this rank process started CUDA before its job (warm_cuda): read by tests
 
 
 def warm_imports() -> None:
@@ -57,5 +58,27 @@ def register_backends(names: tuple[str, ...] = ("gloo", "nccl")) -> bool:
             ensure(name)
     except Exception:  # noqa: BLE001 - an optional speed-up only: torch registers them at the first group then
         logger.debug("dask-ddp: torch's backends were not registered in advance", exc_info=True)
+        return False
+    return True
+
+
+def warm_cuda() -> bool:
+    """Start CUDA on device 0 (its context and cuBLAS) in a rank forked ahead of its job, never in the zygote: the
+    job then does not wait for them (0.25-0.3 s on an H200, ``benchmarks/gpu_turnover_parts.py``). Asked for with
+    ``ddp.warm-cuda`` (sweeps' trials); only for a job whose rank is alone on its host, whose own GPU is device 0
+    as it is (ranks sharing a host re-list ``CUDA_VISIBLE_DEVICES`` before CUDA starts: they get a fresh fork).
+    True if CUDA started; False without a GPU or on any error (the job meets it itself). Raises nothing."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        torch.cuda.set_device(0)
+        torch.empty(1, device="cuda")  # the context
+        torch.cuda.current_blas_handle()  # cuBLAS loaded and its handle made: a first matmul's start
+        global WARMED
+        WARMED = True
+    except Exception:  # noqa: BLE001 - an optional speed-up only
+        logger.debug("dask-ddp: CUDA was not started ahead of the job", exc_info=True)
         return False
     return True

@@ -4,7 +4,8 @@ Runs in: the Dask worker (the supervisor) and the rank process, at both ends
 of a socket pair (``multiprocessing.connection.Connection``, pickled)::
 
     rank process -> supervisor        supervisor -> rank process
-    Ready      torch imported         Start          the job: a RankTask and rank 0's store port
+    Ready      torch imported         WarmCuda       (before Start, optional) start CUDA while you wait
+                                      Start          the job: a RankTask and rank 0's store port
     Port       rank 0 bound its store StacksRequest  dump your Python stacks
     Events     a batch of reports and FlushRequest   send the events you hold (about to be stopped)
                log records
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.task import RankTask
 
-__all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "StacksRequest",
+__all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "WarmCuda", "StacksRequest",
            "FlushRequest", "Flushed", "Notice", "NoticeSeen", "Saved"]
 
 
@@ -84,6 +85,12 @@ class Start:
     task: RankTask
     master_port: int | None = None
     tmpdir: str | None = None  # the rank's TMPDIR, made and removed by its supervisor
+
+
+@dataclass(frozen=True)
+class WarmCuda:
+    """Sent to a rank forked ahead of its job, before its :class:`Start`: start CUDA on device 0 meanwhile (the
+    next job then starts without CUDA's start; see ``ddp.warm-cuda``)."""
 
 
 @dataclass(frozen=True)

@@ -48,3 +48,4 @@ class LaunchSpec:
     total: int | None = None
     echo_logs: bool = True
     callbacks: tuple = ()
+    warm_cuda: bool = False  # the next rank of each worker starts CUDA while this job runs (ddp.warm-cuda; sweeps)

@@ -48,6 +48,8 @@ class RankTask:
     # a job that may restart keeps its workers' next spares warm while it runs: a restart then starts at once
     # (a job that cannot restart starts them when it ends, so that they never compete with training)
     spare_early: bool = False
+    # the next job's rank is forked as this one starts and starts CUDA meanwhile (ddp.warm-cuda; sweeps' trials)
+    warm_cuda: bool = False
     # the attempt's store keys live under dask_ddp/<secret>/: only its ranks (and supervisors) know them, so a
     # process that can reach the store cannot forge a preemption notice (see :attr:`store_prefix`)
     secret: str = field(default="", repr=False)

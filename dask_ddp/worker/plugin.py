@@ -29,6 +29,7 @@ import dask
 from distributed import WorkerPlugin
 from distributed.core import Status
 
+from dask_ddp.wire.messages import WarmCuda
 from dask_ddp.wire.notices import Notice
 from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.hub import HANDLER, Hubs
@@ -63,6 +64,9 @@ logger = logging.getLogger("dask_ddp")
 NAME = RANK_HOST  # "dask-ddp"
 _CLOSING = (Status.closing, Status.closed, Status.failed)
 STOP_WAIT = 3.0  # seconds a closing worker waits for its ranks' supervisors to relay what the ranks hold (1 s each)
+# seconds a rank forked ahead that started CUDA (ddp.warm-cuda) waits for a job before it is replaced by one that
+# did not: its CUDA context (~0.5 GB of GPU memory) is not kept once the sweep (or loop of jobs) has ended
+WARM_CUDA_IDLE = 10.0
 
 
 class Launcher:
@@ -86,14 +90,19 @@ class Launcher:
     def forks() -> bool:
         return bool(dask.config.get("ddp.zygote", True))
 
-    def take(self, stopped: Callable[[], bool] = lambda: False, timeout: float = 120.0):
+    def take(self, stopped: Callable[[], bool] = lambda: False, timeout: float = 120.0, cuda_ok: bool = True):
         """A rank process for a job, or None when ``stopped()`` turns true while a zygote warms up.
 
         A zygote that fails or takes longer than ``timeout`` to warm up is replaced by a spawned rank process.
+        ``cuda_ok=False``: the job must start CUDA itself (its ranks share a host and re-list their GPUs first),
+        so a rank forked ahead that has started CUDA (``WarmCuda``) is ended and a fresh one forked.
         """
         if not self.forks():
             return self._take_spare()
         forked = self._take_forked(timeout)
+        if forked is not None and forked.cuda_warm and not cuda_ok:
+            forked.kill()
+            forked = None
         if forked is not None:
             return forked
         zygote = self._ensure_zygote()
@@ -140,16 +149,17 @@ class Launcher:
             spare.kill()
         return RankProcess()
 
-    def refill(self, force: bool = False, ahead: bool = False) -> None:
+    def refill(self, force: bool = False, ahead: bool = False, cuda: bool = False) -> None:
         """Warm up for the next job in the background: the zygote, or a spare (``ddp.warm-spare`` or ``force``);
-        ``ahead``: with a ready zygote, fork the next job's rank now too (at a job's end)."""
+        ``ahead``: with a ready zygote, fork the next job's rank now too (at a job's end); ``cuda``: and have it
+        start CUDA while it waits (at a job's start, ``ddp.warm-cuda``)."""
         if self._closed:
             return
         if self.forks():
             if force or dask.config.get("ddp.warm-spare"):
                 zygote = self._ensure_zygote()
                 if ahead and zygote.wait_ready(0):
-                    self._fork_ahead(zygote)
+                    self._fork_ahead(zygote, cuda)
             return
         if not (force or dask.config.get("ddp.warm-spare")):
             return
@@ -159,24 +169,43 @@ class Launcher:
             self._filling = True
         threading.Thread(target=self._fill, name="dask-ddp-spare", daemon=True).start()
 
-    def _fork_ahead(self, zygote: Zygote) -> None:
+    def _fork_ahead(self, zygote: Zygote, cuda: bool = False) -> None:
         with self._lock:
             if self._forked is not None or self._forking or self._closed:
                 return
             self._forking = True
-        threading.Thread(target=self._fork, args=(zygote,), name="dask-ddp-fork-ahead", daemon=True).start()
+        threading.Thread(target=self._fork, args=(zygote, cuda), name="dask-ddp-fork-ahead", daemon=True).start()
 
-    def _fork(self, zygote: Zygote) -> None:
+    def _fork(self, zygote: Zygote, cuda: bool = False) -> None:
         try:
             forked: ForkedRank | None = zygote.fork()
         except OSError:  # the zygote is gone: take() starts what it needs
             forked = None
+        if cuda and forked is not None:
+            try:
+                forked.conn.send(WarmCuda())  # read before its Start: CUDA starts while it waits
+                forked.cuda_warm = True
+                threading.Timer(WARM_CUDA_IDLE, self._cool, args=(forked, zygote)).start()
+            except OSError:  # it died already
+                forked.kill()
+                forked = None
         with self._lock:
             closed = self._closed
             self._forked, self._forking = (None if closed else forked), False
             self._lock.notify_all()
         if closed and forked is not None:
             forked.kill()
+
+    def _cool(self, forked: ForkedRank, zygote: Zygote) -> None:
+        """:data:`WARM_CUDA_IDLE` after ``forked`` was told to start CUDA: if no job took it, end it (its GPU
+        memory back) and fork one that does not start CUDA. Under the lock: a job never takes the one ended."""
+        with self._lock:
+            if self._forked is not forked:  # a job took it (or it was replaced)
+                return
+            self._forked = None
+        forked.kill()
+        if not self._closed and zygote.alive():
+            self._fork_ahead(zygote)
 
     def _fill(self) -> None:
         try:

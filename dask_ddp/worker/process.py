@@ -99,6 +99,7 @@ class _Rank:
     stdout: object
     stderr: object
     group: ProcessGroup
+    cuda_warm = False  # told to start CUDA before its Start (ddp.warm-cuda): only for a rank alone on its host
 
     def __init__(self):
         self._send_lock = threading.Lock()

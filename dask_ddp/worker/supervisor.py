@@ -90,11 +90,14 @@ class Supervisor:
         self.host.add(self)
         started = time.time()
         try:
-            self.child = self.host.launcher.take(self.rule.aborted, self.task.spawn_timeout)
+            alone = self.task.rank.local_world_size < 2  # its GPU is device 0 as it is: CUDA may have started
+            self.child = self.host.launcher.take(self.rule.aborted, self.task.spawn_timeout, cuda_ok=alone)
             if self.child is None:
                 return self._finish(self._fail(Status.ABORTED, self.rule.reason or STOPPED), started)
             if self.task.spare_early:
                 self.host.launcher.refill()
+            if self.task.warm_cuda and alone:  # the next job's rank, forked now, starts CUDA while this one runs
+                self.host.launcher.refill(ahead=True, cuda=True)
             self.child.pumped = True
             self.pump = OutputPump({"stdout": self.child.stdout, "stderr": self.child.stderr}, self.relay.log,
                                    self.rule.stopping_within, self.rank).start()
