@@ -124,9 +124,9 @@ def test_on_a_gpu_the_next_trial_finds_cuda_started(client):
 
 
 def _set_idle(seconds: float) -> float:
-    from dask_ddp.worker import plugin
+    from dask_ddp.worker import launcher
 
-    before, plugin.WARM_CUDA_IDLE = plugin.WARM_CUDA_IDLE, seconds
+    before, launcher.WARM_CUDA_IDLE = launcher.WARM_CUDA_IDLE, seconds
     return before
 
 
@@ -150,3 +150,37 @@ def test_a_rank_that_started_cuda_and_waits_too_long_is_replaced_by_one_that_did
         assert pid == plain[0] and warmed is False
     finally:
         client.run(_set_idle, before, workers=[first])
+
+
+def _trial(x):
+    import dask_ddp
+
+    time.sleep(0.5)
+    dask_ddp.report(value=x * x, step=0)
+
+
+def test_a_sweeps_trials_start_cuda_ahead_and_its_end_ends_those_ranks(client):
+    """A sweep's trials get ddp.sweep.warm-cuda (on by default) without the user asking; once the sweep has ended
+    no worker keeps a rank that started CUDA (here WARM_CUDA_IDLE is 300 s: only the sweep's end can end them)."""
+    import dask_ddp
+
+    seen: list = []
+
+    def watch():
+        while not s.done():
+            seen.extend(v for v in client.run(_spares).values() if v and v[1])
+            time.sleep(0.1)
+
+    s = dask_ddp.sweep(client, _trial, {"x": {"low": -1.0, "high": 1.0}}, n_trials=4, metric="value",
+                       scheduler=None, sampler="random", seed=0, progress=False)
+    try:
+        watch()
+        assert s.wait(120) and len(s.results()) == 4
+    finally:
+        s.cancel()
+    assert seen, "the sweep's trials must fork the next rank at their start and have it start CUDA"
+    plain = wait_until(lambda: all(v is None or not v[1] for v in client.run(_spares).values()), 30,
+                       what="the ranks that started CUDA ended with the sweep")
+    assert plain
+    for pid, _ in set(seen):
+        wait_until(lambda: not _alive(pid), 30, what=f"rank {pid} that started CUDA ended")

@@ -10,12 +10,10 @@ their watcher threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`)
    the preemption protocol, saving what ``on_preemption`` registered; ranks that reach no report within
    ``ddp.sweep.prune-grace`` seconds are killed together, so no rank is left waiting in a collective) and
    the trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks
-   stopped. A job's end frees
-   its workers (they are free only once every rank has stopped) and is told to Optuna;
+   stopped. A job's end frees its workers (they are free only once every rank has stopped) and is told to Optuna;
 2. fill the free workers: ask Optuna for trials (a short line of them: ``LINE``, up to ``LINE_MAX`` while
-   none of them fits the free workers), pick which fits
-   (:func:`~dask_ddp.client.placement.pick`), seat it (:func:`~dask_ddp.client.placement.place`) and
-   start its job pinned to those workers (``dispatch.run(..., workers=[...])``);
+   none of them fits the free workers), pick which fits (:func:`~dask_ddp.client.placement.pick`), seat it
+   (:func:`~dask_ddp.client.placement.place`) and start its job pinned to those workers (``dispatch.run``);
 3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client
    closed): queued trials are dropped, running ones cancelled, and the sweep ends when they have stopped.
 """
@@ -39,6 +37,7 @@ from dask_ddp.client.sweep_view import SweepView
 from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.events import RESERVED_KEYS
+from dask_ddp.worker import plugin
 
 __all__ = ["Driver", "SweepSpec", "TrialHooks"]
 
@@ -361,6 +360,7 @@ class Driver:
 
     def _finish(self, state: str, cause: str) -> None:
         self.view.finish(state)
+        plugin.stop_warm_cuda(self.client)  # the ranks that started CUDA for a next trial end now
         with self.cond:
             self.state, self.cause = state, cause
             self.cond.notify_all()
