@@ -2,8 +2,11 @@
 while the job runs; the next job of a rank alone on its host runs in it, a job whose ranks share a host never does
 (they re-list ``CUDA_VISIBLE_DEVICES`` before CUDA starts).
 
-Real parts: a LocalCluster with worker processes, gloo (and nccl on a GPU). On CPU the rank forked ahead gets
-its WarmCuda and finds no GPU; the GPU test checks that CUDA had started in it before its job.
+Real parts: a LocalCluster with worker processes, gloo (and nccl on a GPU). Only on a host with a GPU driver's
+device node does a job fork early (``Launcher.gpus_present``): on this CPU machine the module's workers are told
+there is one (the one mock here: a GPU cannot exist), so the rank forked ahead gets its WarmCuda, finds no GPU
+and waits as any rank forked ahead; one test checks that without the node nothing is forked early. The GPU test
+checks that CUDA had started in the rank before its job.
 """
 
 from __future__ import annotations
@@ -43,7 +46,24 @@ def client():
     with local_client(2) as c:
         dispatch.warm_up(c)
         c.run(_set_idle, 300.0)  # no rank replaced while a test waits on a loaded machine (one test sets 1 s)
+        c.run(_say_gpus, True)
         yield c
+
+
+def _say_gpus(present: bool | None) -> None:
+    """In a worker: make ``Launcher.gpus_present`` answer ``present`` (None: look at the device nodes again)."""
+    from dask_ddp.worker import launcher
+
+    if present is None:
+        launcher.Launcher.gpus_present = staticmethod(_real_gpus_present)
+    else:
+        launcher.Launcher.gpus_present = staticmethod(lambda: present)
+
+
+def _real_gpus_present() -> bool:
+    from dask_ddp.worker import launcher
+
+    return any(os.path.exists(node) for node in launcher.GPU_NODES)
 
 
 def test_a_warm_cuda_job_forks_the_next_rank_at_its_start_and_the_next_job_runs_in_it(client):
@@ -58,6 +78,26 @@ def test_a_warm_cuda_job_forks_the_next_rank_at_its_start_and_the_next_job_runs_
         (pid2, warmed, _), = nxt.result(timeout=120)
     assert told and pid1 != pid_ahead and pid2 == pid_ahead, "the next job must run in the rank forked ahead"
     assert warmed is False, "no GPU here: the rank forked ahead must have found none and said so"
+
+
+def test_without_a_gpu_driver_nothing_is_forked_early(client):
+    """On a host without a GPU driver's device node ddp.warm-cuda changes nothing: the next rank is forked at the
+    job's end, as without it (a CPU cluster's sweep keeps its turnover)."""
+    first = sorted(client.scheduler_info()["workers"])[0]
+    client.run(_say_gpus, None, workers=[first])
+    try:
+        if client.run(_real_gpus_present, workers=[first])[first]:
+            pytest.skip("this host has a GPU driver")
+        with dask.config.set({"ddp.warm-cuda": True}):
+            run(client, _job, workers=[first]).result(timeout=120)
+            assert _spare_of(client, first)[1] is False
+            job = run(client, _job, 2.0, workers=[first])
+            time.sleep(1.0)
+            assert not job.done() and client.run(_spares, workers=[first])[first] is None, \
+                "without a GPU nothing may be forked while a job runs"
+            job.result(timeout=120)
+    finally:
+        client.run(_say_gpus, True, workers=[first])
 
 
 def test_without_warm_cuda_the_next_rank_is_forked_at_the_jobs_end(client):

@@ -11,6 +11,7 @@ GPU memory back) when no job takes it within :data:`WARM_CUDA_IDLE` seconds or t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -27,6 +28,7 @@ logger = logging.getLogger("dask_ddp")
 # seconds a rank forked ahead that started CUDA (ddp.warm-cuda) waits for a job before it is replaced by one that
 # did not: its CUDA context (~0.5 GB of GPU memory) is not kept once the sweep (or loop of jobs) has ended
 WARM_CUDA_IDLE = 10.0
+GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")  # a GPU driver's device nodes (NVIDIA, AMD ROCm): ddp.warm-cuda's check
 
 
 class Launcher:
@@ -109,11 +111,18 @@ class Launcher:
             spare.kill()
         return RankProcess()
 
+    @staticmethod
+    def gpus_present() -> bool:
+        """Whether this host may have a GPU for CUDA: a GPU driver's device node is there (NVIDIA's, or ROCm's for
+        AMD). Read without starting CUDA or importing torch in the worker."""
+        return any(os.path.exists(node) for node in GPU_NODES)
+
     def refill(self, force: bool = False, ahead: bool = False, cuda: bool = False) -> None:
         """Warm up for the next job in the background: the zygote, or a spare (``ddp.warm-spare`` or ``force``);
-        ``ahead``: with a ready zygote, fork the next job's rank now too (at a job's end); ``cuda``: and have it
-        start CUDA while it waits (at a job's start, ``ddp.warm-cuda``)."""
-        if self._closed:
+        ``ahead``: with a ready zygote, fork the next job's rank now too (at a job's end); ``cuda``: on a host with
+        a GPU (:meth:`gpus_present`), and have it start CUDA while it waits (at a job's start, ``ddp.warm-cuda``);
+        without one, nothing is forked early."""
+        if self._closed or (cuda and not self.gpus_present()):
             return
         if self.forks():
             if force or dask.config.get("ddp.warm-spare"):
