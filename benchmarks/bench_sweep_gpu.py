@@ -120,7 +120,8 @@ def main() -> None:
         t = time.perf_counter()
         s = dask_ddp.sweep(client, gpu_trial, {"lr": {"low": 0.0, "high": 1.0}}, n_trials=a.trials, metric="loss",
                            scheduler=optuna.pruners.ThresholdPruner(upper=0.0, n_warmup_steps=3), sampler="random",
-                           kwargs={"frac": a.frac, "log_dir": log_dir, "ddp": a.ddp}, max_failures=None, seed=0, progress=False,
+                           kwargs={"frac": a.frac, "log_dir": log_dir, "ddp": a.ddp}, max_failures=None, seed=0,
+                           progress=False,
                            run_options={"backend": "nccl" if a.device == "cuda" else "gloo"})
         assert s.wait(1800), s
         wall, ended = time.perf_counter() - t, time.time()
