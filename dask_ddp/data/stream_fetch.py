@@ -8,6 +8,11 @@ thread pool while it decodes the current ones. Every shard is checked against th
 a truncated or corrupt one raises :class:`ShardDataError` naming it. A single sample read out of order
 (``dataset[i]`` under a random sampler) is a ranged GET of its bytes instead (:meth:`ShardFetcher.get_range`),
 unless its shard is already held.
+
+Without a node cache, a shard fetched from a remote store is held in an anonymous temporary file (``spill``:
+``O_TMPFILE`` in ``TMPDIR``, which has no name, so nothing is left after a crash or ``kill -9``) mapped
+read-only: a process's window of shards (up to ``keep`` of them, 1 GiB at the default 128 MB) is then clean,
+reclaimable page cache rather than the process's own memory; only the shards in flight are held in memory.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import random
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -40,11 +46,13 @@ class ShardFetcher:
 
     def __init__(self, root: str, names: tuple[str, ...], sizes: tuple[int, ...], crcs: tuple[int, ...],
                  storage_options: Mapping[str, Any], cache: ShardCache | None, retries: int = 5,
-                 threads: int = 4, keep: int = 8) -> None:
+                 threads: int = 4, keep: int = 8, spill: bool | None = None) -> None:
         from dask_ddp.data.folder_index import open_fs
 
         self.root, self.names, self.sizes, self.crcs = root, names, sizes, crcs
         self.fs, self.fs_root = open_fs(root, storage_options)
+        # None: spill what a remote store gives when there is no node cache (a local file is read, not copied)
+        self.spill = (cache is None and not _local(self.fs)) if spill is None else spill
         self.options, self.cache, self.retries, self.keep = dict(storage_options), cache, retries, keep
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dask-ddp-shards")
         self.futures: OrderedDict[int, Future] = OrderedDict()
@@ -111,7 +119,8 @@ class ShardFetcher:
 
     def _load(self, j: int) -> Blob:
         if not self.cache or self.cache.broken:
-            return self._checked(j)
+            data = self._checked(j)
+            return _spilled(data) if self.spill and self.cache is None else data
         cache, name = self.cache, ShardCache.name(self.url(j), self.sizes[j], self.crcs[j])
         if (data := cache.get(name)) is not None and self._ok(j, data, raise_=False):
             return data
@@ -176,3 +185,30 @@ def _transient(err: BaseException) -> bool:
                or type(e).__name__ in ("ClientConnectorError", "ServerDisconnectedError", "EndpointConnectionError",
                                        "ReadTimeoutError", "ConnectTimeoutError")
                for e in storage.error_chain(err))
+
+
+def _local(fs: Any) -> bool:
+    protocol = getattr(fs, "protocol", "")
+    return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+
+
+def _spilled(data: bytes) -> Blob:
+    """``data`` in an anonymous temporary file, mapped read-only (see the module's docstring); ``data`` itself
+    where no temporary file can be written (a full or read-only ``TMPDIR``: logged once)."""
+    global _SPILL_WARNED
+    if not data:
+        return data
+    try:
+        with tempfile.TemporaryFile(prefix="dask-ddp-shard-") as f:  # O_TMPFILE: never a name in TMPDIR
+            f.write(data)
+            f.flush()
+            return mmap.mmap(f.fileno(), len(data), access=mmap.ACCESS_READ)  # the map outlives the descriptor
+    except OSError as err:
+        if not _SPILL_WARNED:
+            _SPILL_WARNED = True
+            logger.warning("dask-ddp: shards are held in memory: no temporary file in %s (%s)",
+                           tempfile.gettempdir(), err)
+        return data
+
+
+_SPILL_WARNED = False
