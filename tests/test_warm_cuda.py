@@ -200,8 +200,9 @@ def _trial(x):
 
 
 def test_a_sweeps_trials_start_cuda_ahead_and_its_end_ends_those_ranks(client):
-    """A sweep's trials get ddp.sweep.warm-cuda (on by default) without the user asking; once the sweep has ended
-    no worker keeps a rank that started CUDA (here WARM_CUDA_IDLE is 300 s: only the sweep's end can end them)."""
+    """ddp.sweep.warm-cuda (off by default: it takes GPU memory from running trials) reaches every trial of the
+    sweep; once the sweep has ended no worker keeps a rank that started CUDA (here WARM_CUDA_IDLE is 300 s: only
+    the sweep's end can end them)."""
     import dask_ddp
 
     seen: list = []
@@ -211,8 +212,9 @@ def test_a_sweeps_trials_start_cuda_ahead_and_its_end_ends_those_ranks(client):
             seen.extend(v for v in client.run(_spares).values() if v and v[1])
             time.sleep(0.1)
 
-    s = dask_ddp.sweep(client, _trial, {"x": {"low": -1.0, "high": 1.0}}, n_trials=4, metric="value",
-                       scheduler=None, sampler="random", seed=0, progress=False)
+    with dask.config.set({"ddp.sweep.warm-cuda": True}):  # read when the sweep starts
+        s = dask_ddp.sweep(client, _trial, {"x": {"low": -1.0, "high": 1.0}}, n_trials=4, metric="value",
+                           scheduler=None, sampler="random", seed=0, progress=False)
     try:
         watch()
         assert s.wait(120) and len(s.results()) == 4
@@ -224,3 +226,20 @@ def test_a_sweeps_trials_start_cuda_ahead_and_its_end_ends_those_ranks(client):
     assert plain
     for pid, _ in set(seen):
         wait_until(lambda: not _alive(pid), 30, what=f"rank {pid} that started CUDA ended")
+
+
+def test_by_default_a_sweep_starts_no_cuda_ahead(client):
+    """Off by default: a rank that started CUDA while a trial runs holds ~0.5 GB of the GPU the trial may need."""
+    import dask_ddp
+
+    seen: list = []
+    s = dask_ddp.sweep(client, _trial, {"x": {"low": -1.0, "high": 1.0}}, n_trials=3, metric="value",
+                       scheduler=None, sampler="random", seed=1, progress=False)
+    try:
+        while not s.done():
+            seen.extend(v for v in client.run(_spares).values() if v and v[1])
+            time.sleep(0.1)
+        assert s.wait(120)
+    finally:
+        s.cancel()
+    assert seen == []

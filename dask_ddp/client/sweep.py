@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import dask
 import pandas as pd
 
 from dask_ddp.client import dispatch, search, sweep_continue, sweep_detach, sweep_resume
@@ -180,7 +181,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,
                      metric=metric, minimize=mode == "min", n_trials=n_trials, max_concurrent=max_concurrent,
                      max_workers=max_workers, workers=workers, max_failures=max_failures, run_options=run_options,
-                     progress=bool(progress), resume_arg=resume_arg, exploit=bool(exploit), mlflow=mlflow)
+                     progress=bool(progress), resume_arg=resume_arg, exploit=bool(exploit), mlflow=mlflow,
+                     warm_cuda=bool(dask.config.get("ddp.sweep.warm-cuda", False)))
     if detach:
         if storage is not None:
             optuna.create_study(**study_kw)  # refuses a name the storage holds already, here

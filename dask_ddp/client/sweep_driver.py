@@ -92,7 +92,7 @@ class Driver:
     # ---- driving -------------------------------------------------------------------------------------------
     def run(self) -> None:
         """Step until the sweep has ended; a bug here still stops every trial and ends the sweep."""
-        dispatch.WARM_CUDA.set(bool(dask.config.get("ddp.sweep.warm-cuda", True)))  # this thread's jobs: trials
+        dispatch.WARM_CUDA.set(self.spec.warm_cuda)  # ddp.sweep.warm-cuda for this thread's jobs, the trials
         try:
             if self.view.mlflow is not None and self.view.mlflow.parent is None:  # not again when resumed
                 self.view.begin()

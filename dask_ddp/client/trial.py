@@ -105,6 +105,7 @@ class SweepSpec:
     resume_arg: bool = False  # train_fn takes ``resume_from``: a trial's checkpoint folder to continue from
     exploit: bool = False  # a new trial starts from the best trial's checkpoint (PBT-style exploit)
     mlflow: Any = None  # an MLflowSink: its store and experiment get the sweep's parent run and a child per trial
+    warm_cuda: bool = False  # ddp.sweep.warm-cuda when it started: each worker's next rank starts CUDA early
 
 
 class TrialHooks:

@@ -119,8 +119,8 @@ class ShardFetcher:
 
     def _load(self, j: int) -> Blob:
         if not self.cache or self.cache.broken:
-            data = self._checked(j)
-            return _spilled(data) if self.spill and self.cache is None else data
+            fetched = self._checked(j)
+            return _spilled(fetched) if self.spill and self.cache is None else fetched
         cache, name = self.cache, ShardCache.name(self.url(j), self.sizes[j], self.crcs[j])
         if (data := cache.get(name)) is not None and self._ok(j, data, raise_=False):
             return data
