@@ -111,3 +111,25 @@ def test_a_killed_reader_leaves_nothing_in_its_tmpdir(remote, tmp_path):
         proc.wait(30)
     time.sleep(0.1)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_local_shard_is_mapped_where_it_is(tmp_path):
+    """A local folder's shards are mapped read-only in place (no copy, pages shared by the host's readers) and
+    checked as fetched ones: a shard changed under the index is named."""
+    from dask_ddp.data import StreamingDataset
+
+    samples = [(bytes([i]) * 3000, i % 2) for i in range(12)]
+    write_shards(__import__("dask.bag", fromlist=["bag"]).from_sequence(samples, npartitions=3), str(tmp_path / "sh"),
+                 shard_size="4KB", client=False, progress=False)
+    ds = StreamingDataset(str(tmp_path / "sh"), decoder=lambda data, ext: bytes(data), shuffle=False)
+    blobs = [ds.fetcher.get(j) for j in range(len(ds.index.shards))]
+    assert {type(b).__name__ for b in blobs} == {"mmap"}
+    assert sorted(ds[i][0] for i in range(len(ds))) == sorted(s for s, _ in samples)
+    name = ds.index.shards[0]
+    del blobs, ds  # nothing of this process reads the mapped file while it is rewritten below
+    data = bytearray((tmp_path / "sh" / name).read_bytes())
+    data[600] ^= 0xFF
+    (tmp_path / "sh" / name).write_bytes(bytes(data))
+    fresh = StreamingDataset(str(tmp_path / "sh"), decoder=lambda data, ext: bytes(data), shuffle=False)
+    with pytest.raises(Exception, match=name):
+        fresh.fetcher.get(0)

@@ -353,6 +353,7 @@ class SlowDown(OSError):
 def test_throttled_reads_are_retried_with_backoff_then_named(shards, caplog):
     url, _ = shards
     ds = StreamingDataset(url, shuffle=False, transform=to_tensor, retries=3)
+    ds.fetcher.local = False  # the local folder stands in for a store: read by GETs (cat_file), not mapped
     real, calls = ds.fetcher.fs.cat_file, []
 
     def throttled(path, *a, **kw):
@@ -365,6 +366,7 @@ def test_throttled_reads_are_retried_with_backoff_then_named(shards, caplog):
     assert ds[0][1] == int(ds.index.classes[0]) and len(calls) == 3
     assert "retrying shard" in caplog.text
     ds = StreamingDataset(url, shuffle=False, retries=1)
+    ds.fetcher.local = False
     ds.fetcher.fs.cat_file = lambda path, *a, **kw: (_ for _ in ()).throw(SlowDown("Please reduce"))
     with pytest.raises(SlowDown) as err:
         ds[0]

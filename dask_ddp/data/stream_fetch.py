@@ -12,13 +12,16 @@ unless its shard is already held.
 Without a node cache, a shard fetched from a remote store is held in an anonymous temporary file (``spill``:
 ``O_TMPFILE`` in ``TMPDIR``, which has no name, so nothing is left after a crash or ``kill -9``) mapped
 read-only: a process's window of shards (up to ``keep`` of them, 1 GiB at the default 128 MB) is then clean,
-reclaimable page cache rather than the process's own memory; only the shards in flight are held in memory.
+reclaimable page cache rather than the process's own memory; only the shards in flight are held in memory. A
+shard in a local folder is mapped read-only where it is (no copy at all; the processes of a host reading it
+share its pages).
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 import random
 import tempfile
 import threading
@@ -51,8 +54,9 @@ class ShardFetcher:
 
         self.root, self.names, self.sizes, self.crcs = root, names, sizes, crcs
         self.fs, self.fs_root = open_fs(root, storage_options)
-        # None: spill what a remote store gives when there is no node cache (a local file is read, not copied)
-        self.spill = (cache is None and not _local(self.fs)) if spill is None else spill
+        # None: spill what a remote store gives when there is no node cache; a local file is mapped where it is
+        self.local = _local(self.fs)
+        self.spill = (cache is None and not self.local) if spill is None else spill
         self.options, self.cache, self.retries, self.keep = dict(storage_options), cache, retries, keep
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dask-ddp-shards")
         self.futures: OrderedDict[int, Future] = OrderedDict()
@@ -118,6 +122,8 @@ class ShardFetcher:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _load(self, j: int) -> Blob:
+        if self.local and self.cache is None:
+            return self._mapped(j)
         if not self.cache or self.cache.broken:
             fetched = self._checked(j)
             return _spilled(fetched) if self.spill and self.cache is None else fetched
@@ -135,6 +141,14 @@ class ShardFetcher:
         finally:
             if claim is not None:
                 claim.close()
+        return data
+
+    def _mapped(self, j: int) -> Blob:
+        """A local shard mapped read-only where it is, checked (size, CRC-32) as a fetched one."""
+        path = f"{self.fs_root.rstrip('/')}/{self.names[j]}"
+        data = storage.call(lambda: _map(path), self.url(j), doing="reading the shard", storage_options=self.options)
+        self._ok(j, data, raise_=True)
+        self.bytes_read += len(data)
         return data
 
     def _checked(self, j: int) -> bytes:
@@ -190,6 +204,12 @@ def _transient(err: BaseException) -> bool:
 def _local(fs: Any) -> bool:
     protocol = getattr(fs, "protocol", "")
     return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+
+
+def _map(path: str) -> Blob:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
 
 
 def _spilled(data: bytes) -> Blob:
