@@ -360,7 +360,8 @@ class Driver:
 
     def _finish(self, state: str, cause: str) -> None:
         self.view.finish(state)
-        plugin.stop_warm_cuda(self.client)  # the ranks that started CUDA for a next trial end now
+        if self.spec.warm_cuda:  # the ranks that started CUDA for a next trial end now
+            plugin.stop_warm_cuda(self.client)
         with self.cond:
             self.state, self.cause = state, cause
             self.cond.notify_all()
