@@ -331,6 +331,9 @@ def test_sigterm_to_every_process_of_a_worker_is_a_notice_also_without_slurm(tmp
         cause = restarts(job)[0]
         assert cause.startswith("preempted:") and "saved step" in cause and "0 steps lost" in cause, job.history
         stop.write_text("")
-        last = job.result(timeout=120)
+        try:
+            last = job.result(timeout=120)
+        except Exception as err:  # seen in a loaded full run and once in 10 runs alone: a WorkerLostError
+            raise AssertionError(f"{err!r}; the job's history: {job.history}") from err
         steps = sorted(job.metrics.query("rank == 0")["step"])
         assert steps == list(range(last[0] + 1)), "steps were lost or repeated"

@@ -109,6 +109,10 @@ async def _leave(host) -> None:
     worker = host.worker
     address = getattr(worker, "address", "?")
     try:
+        # Leaving from now on, as a retired worker: the scheduler gives it no new task, and a job that restarts
+        # after its ranks saved does not plan a rank here (it did when the save beat the close: one run in 4)
+        if getattr(worker, "status", None) == Status.running:
+            worker.status = Status.closing_gracefully
         await drain(host, f"worker {address} received SIGTERM (a batch system's notice: SLURM's scancel or "
                           "--signal, a pod stopped)")
     finally:
