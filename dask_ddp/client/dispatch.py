@@ -47,7 +47,7 @@ __all__ = ["run", "attach", "warm_up", "LaunchSpec"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 MAX_NAME = 100
-# ddp.warm-cuda for the jobs this thread starts (None: the config's): a sweep's driver thread sets True for its trials
+# ddp.warm-cuda for the jobs this thread starts (None: the config's); a sweep's driver sets ddp.sweep.warm-cuda there
 WARM_CUDA: contextvars.ContextVar[bool | None] = contextvars.ContextVar("dask_ddp_warm_cuda", default=None)
 
 def _local_module(fn: Callable):
