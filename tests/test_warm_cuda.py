@@ -195,7 +195,7 @@ def test_a_rank_that_started_cuda_and_waits_too_long_is_replaced_by_one_that_did
 def _trial(x):
     import dask_ddp
 
-    time.sleep(0.5)
+    time.sleep(1.0)  # long enough for the watch below to see the rank forked at its start, under load
     dask_ddp.report(value=x * x, step=0)
 
 
