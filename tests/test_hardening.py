@@ -93,8 +93,9 @@ def test_ranks_stop_when_the_client_that_started_them_goes_away(client, how):
 WHEN_WAITING = textwrap.dedent('''
     import faulthandler, signal, sys, threading, time
     # a kernel handles SIGINT; a child started from a process that ignores it inherits SIG_IGN and Python then
-    # installs no handler: the interrupt would be lost (both tests failed so in full-suite runs, where the pytest
-    # process had SIGINT ignored; a child's stack showed result() still waiting after 150 s)
+    # installs no handler: the interrupt would be lost (both tests failed so in full-suite runs started in the
+    # background, `pytest ... &`: a non-interactive shell starts its background jobs with SIGINT and SIGQUIT
+    # ignored, as POSIX says; a child's stack showed result() still waiting after 150 s)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # a notebook stuck after its interrupt (seen once in a full-suite run) says where, then ends: the test fails
     # with these stacks in its message instead of timing out blind
