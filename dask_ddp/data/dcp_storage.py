@@ -42,6 +42,7 @@ import zlib
 from typing import Any, Callable
 
 from dask_ddp.data import storage
+from dask_ddp.data.storage import is_local
 
 __all__ = ["ShardWriter", "ShardError", "Item", "file_name", "FAULTS", "with_retries", "throttled", "fault"]
 
@@ -94,12 +95,6 @@ def with_retries(fn: Callable[[], Any], *, tries: int = 6, base: float = 0.2, ca
                 raise
             time.sleep(random.uniform(0, min(cap, base * 2 ** attempt)))
     return None
-
-
-def is_local(fs) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
 
 
 def _tensor_bytes(tensor) -> tuple[memoryview, str, tuple]:

@@ -16,8 +16,8 @@ import re
 from typing import Any, Callable, Mapping
 from urllib.parse import quote, unquote
 
-__all__ = ["resolve", "call", "translate", "redact", "masked", "split_userinfo", "without_userinfo", "error_chain",
-           "error_code"]
+__all__ = ["resolve", "is_local", "call", "translate", "redact", "masked", "split_userinfo", "without_userinfo",
+           "error_chain", "error_code"]
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)(?P<info>[^/@\s'\"]+)@")
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "signature")
@@ -50,6 +50,13 @@ def resolve(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = 
 
     return call(lambda: fsspec.core.url_to_fs(url, **options), url, doing="opening its filesystem",
                 storage_options=options)
+
+
+def is_local(fs: Any) -> bool:
+    """Whether ``fs`` is fsspec's local filesystem (files a process can open and map itself)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
 
 
 def call(fn: Callable[[], Any], url: str, *, doing: str = "accessing it",

@@ -25,7 +25,7 @@ import re
 import socket
 import time
 
-__all__ = ["ShardCache"]
+__all__ = ["ShardCache", "map_file"]
 
 logger = logging.getLogger("dask_ddp.data")
 _PART = re.compile(r"^\.part-(\d+)-")
@@ -56,8 +56,7 @@ class ShardCache:
             return None
         path = os.path.join(self.folder, name)
         try:
-            with open(path, "rb") as f:
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+            data = map_file(path)
             os.utime(path)  # recently used: evicted last
             return data
         except (OSError, ValueError):
@@ -167,6 +166,13 @@ class ShardCache:
 
     def __repr__(self) -> str:
         return f"ShardCache({self.folder!r}, limit={self.limit})"
+
+
+def map_file(path: str) -> bytes | mmap.mmap:
+    """The file at ``path`` mapped read-only (its pages shared with every process that maps it; ``b""`` when it is
+    empty: an empty file cannot be mapped). Raises OSError (no such file, ...)."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
 
 
 def _write_all(fd: int, data: bytes) -> None:

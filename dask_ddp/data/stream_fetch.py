@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import random
 import tempfile
 import threading
@@ -32,7 +31,7 @@ from typing import Any, Mapping
 
 from dask_ddp.data import storage
 from dask_ddp.data.shards_format import ShardDataError, crc32
-from dask_ddp.data.stream_cache import ShardCache
+from dask_ddp.data.stream_cache import ShardCache, map_file
 
 __all__ = ["ShardFetcher", "TRANSIENT_CODES", "Blob"]
 
@@ -55,7 +54,7 @@ class ShardFetcher:
         self.root, self.names, self.sizes, self.crcs = root, names, sizes, crcs
         self.fs, self.fs_root = open_fs(root, storage_options)
         # None: spill what a remote store gives when there is no node cache; a local file is mapped where it is
-        self.local = _local(self.fs)
+        self.local = storage.is_local(self.fs)
         self.spill = (cache is None and not self.local) if spill is None else spill
         self.options, self.cache, self.retries, self.keep = dict(storage_options), cache, retries, keep
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dask-ddp-shards")
@@ -146,7 +145,8 @@ class ShardFetcher:
     def _mapped(self, j: int) -> Blob:
         """A local shard mapped read-only where it is, checked (size, CRC-32) as a fetched one."""
         path = f"{self.fs_root.rstrip('/')}/{self.names[j]}"
-        data = storage.call(lambda: _map(path), self.url(j), doing="reading the shard", storage_options=self.options)
+        data = storage.call(lambda: map_file(path), self.url(j), doing="reading the shard",
+                            storage_options=self.options)
         self._ok(j, data, raise_=True)
         self.bytes_read += len(data)
         return data
@@ -199,17 +199,6 @@ def _transient(err: BaseException) -> bool:
                or type(e).__name__ in ("ClientConnectorError", "ServerDisconnectedError", "EndpointConnectionError",
                                        "ReadTimeoutError", "ConnectTimeoutError")
                for e in storage.error_chain(err))
-
-
-def _local(fs: Any) -> bool:
-    protocol = getattr(fs, "protocol", "")
-    return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
-
-
-def _map(path: str) -> Blob:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
 
 
 def _spilled(data: bytes) -> Blob:
