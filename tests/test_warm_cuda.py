@@ -51,19 +51,18 @@ def client():
 
 
 def _say_gpus(present: bool | None) -> None:
-    """In a worker: make ``Launcher.gpus_present`` answer ``present`` (None: look at the device nodes again)."""
+    """In a worker: make ``Launcher.gpus_present`` answer ``present`` through the device nodes it looks for (True:
+    ``/``, which exists; None: the real ones again)."""
     from dask_ddp.worker import launcher
 
-    if present is None:
-        launcher.Launcher.gpus_present = staticmethod(_real_gpus_present)
-    else:
-        launcher.Launcher.gpus_present = staticmethod(lambda: present)
+    real = vars(launcher).setdefault("_real_gpu_nodes", launcher.GPU_NODES)
+    launcher.GPU_NODES = real if present is None else ("/",) if present else ()
 
 
-def _real_gpus_present() -> bool:
-    from dask_ddp.worker import launcher
+def _gpus_present() -> bool:
+    from dask_ddp.worker.launcher import Launcher
 
-    return any(os.path.exists(node) for node in launcher.GPU_NODES)
+    return Launcher.gpus_present()
 
 
 def test_a_warm_cuda_job_forks_the_next_rank_at_its_start_and_the_next_job_runs_in_it(client):
@@ -86,7 +85,7 @@ def test_without_a_gpu_driver_nothing_is_forked_early(client):
     first = sorted(client.scheduler_info()["workers"])[0]
     client.run(_say_gpus, None, workers=[first])
     try:
-        if client.run(_real_gpus_present, workers=[first])[first]:
+        if client.run(_gpus_present, workers=[first])[first]:
             pytest.skip("this host has a GPU driver")
         with dask.config.set({"ddp.warm-cuda": True}):
             run(client, _job, workers=[first]).result(timeout=120)
