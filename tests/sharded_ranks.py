@@ -15,8 +15,13 @@ __all__ = ["run_ranks"]
 
 
 def _child(rank: int, world: int, port: int, out: str, fn, args) -> None:
+    import torch
     import torch.distributed as dist
 
+    # The test process may have run torch ops on OpenMP threads (an earlier test in the same xdist worker): GNU
+    # OpenMP's team does not survive fork, and the child's first parallel op would wait on it forever (seen in
+    # FSDP's new_zeros). One thread: torch runs its ops inline, as DataLoader workers do for the same reason.
+    torch.set_num_threads(1)
     code = 0
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)

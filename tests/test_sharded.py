@@ -296,3 +296,22 @@ def test_the_export_verb_writes_one_file_and_names_what_is_wrong(tmp_path, capsy
     assert torch.load(tmp_path / "m.pt", weights_only=True)["epoch"] == 2
     assert main(["export", str(tmp_path / "empty"), str(tmp_path / "x.pt")]) == 1
     assert "FileNotFoundError: no committed sharded step" in capsys.readouterr().err
+
+
+def _fill(rank, world):
+    t = torch.empty(20_000_000)
+    t.fill_(float(rank))  # large enough for torch to split it over its intra-op threads
+    return float(t[-1])
+
+
+def test_forked_ranks_survive_an_openmp_team_in_the_test_process():
+    """The test process ran a parallel op (as an earlier test in an xdist worker may): GNU OpenMP's team does not
+    survive fork, and without ``set_num_threads(1)`` in ``run_ranks``'s children their first parallel op waits
+    forever (seen as 3 sharded-chaos tests hanging in FSDP's ``new_zeros`` when tests were spread by test)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(20_000_000).fill_(2.0)  # the team now exists in this process
+        assert run_ranks(2, _fill, timeout=60) == [0.0, 1.0]
+    finally:
+        torch.set_num_threads(before)
