@@ -3,7 +3,8 @@
 Usage (in the benchmark venv, see below)::
 
     /work/bench-venv/bin/python benchmarks/bench_streaming.py [--images 20000] [--repeat 2]
-        [--only ours,litdata,wds,mosaic,folder,ceiling,decode] [--quick] [--out benchmarks/RESULTS_streaming.md]
+        [--only ours,raw,litdata,wds,mosaic,folder,ceiling,decode,floor] [--quick]
+        [--out benchmarks/RESULTS_streaming.md]
 
 One command: starts a moto S3 server in its own process, generates ``--images`` seeded 96x96 JPEGs
 (a few KB each) in 10 class folders, uploads them to ``s3://bench/images``, builds each system's shards
@@ -14,10 +15,14 @@ env) x 2 DataLoader workers, batch 64, the same transform (PIL decode + ``ToTens
 collate), images/s of a cold first epoch (fresh cache) and a second epoch (cache where the system has
 one). Beside them:
 
+- ``raw``: ours with nothing decoded (the sample's bytes handed to the collate, which counts them): the I/O
+  path (fetch, node cache, order, hand-over to the rank) against the byte ceiling;
 - ``folder``: dask-ddp's ``S3ImageFolder`` (one GET per image, DistributedSampler, ``cache=``);
 - ``ceiling``: the byte ceiling, s3fs ``cat`` of the same shard objects (ours when built, else LitData's)
   from 2 processes at once, no decoding, as images/s (images / seconds) and MB/s;
-- ``decode``: the decode ceiling, 2 processes decoding the same JPEGs from memory with the same collate.
+- ``decode``: the decode ceiling, 2 processes decoding the same JPEGs from memory with the same collate;
+- ``floor``: the build floor, 2 processes GETting every source image once, one GET after another (what any
+  builder reading the images from S3 must do, nothing packed or written).
 
 A system that fails is reported as failed with its reason; the run goes on. The table (per-round
 figures, medians, ratios, goals) goes to ``--out`` with the command, load average and versions.
@@ -61,7 +66,7 @@ for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
                "AWS_REGION": "us-east-1"}.items():
     os.environ.setdefault(_k, _v)
 
-READERS = ["ours", "litdata", "wds", "mosaic", "folder"]
+READERS = ["ours", "raw", "litdata", "wds", "mosaic", "folder"]
 PEERS = ["litdata", "wds", "mosaic"]
 SPAWN = mp.get_context("spawn")
 
@@ -183,6 +188,16 @@ def run_ranks(system: str, cfg: dict) -> dict:
     return result
 
 
+def _get_main(keys: list[str], endpoint: str, barrier, out) -> None:
+    """Build floor, one process: one GET after another of its share of the source images (what every builder
+    reading them from S3 must do; nothing packed or written)."""
+    fs = peers.fs(endpoint)
+    barrier.wait()
+    start = time.time()
+    n = sum(len(fs.cat_file(k, max_concurrency=1)) for k in keys)  # 1: no HEAD before the GET
+    out.put((start, time.time(), n))
+
+
 def _cat_main(paths: list[str], endpoint: str, barrier, out) -> None:
     """Byte ceiling, one process: s3fs cat of its share of the shard objects (GET only, nothing decoded)."""
     fs = peers.fs(endpoint)
@@ -225,7 +240,7 @@ def run_pair(target, shares: list[list], *args) -> tuple[float, int]:
 
 
 def build_all(cfg: dict, systems: list[str], report: dict) -> None:
-    """Build each system's shards once; timed builds and failures go into ``report``."""
+    """Build each system's shards once; timed builds and failures go into ``report``; then the build floor."""
     for system in [s for s in ("ours", "litdata", "wds", "mosaic") if s in systems]:
         log(f"building {system} shards")
         try:
@@ -236,12 +251,19 @@ def build_all(cfg: dict, systems: list[str], report: dict) -> None:
         except BaseException as e:  # noqa: BLE001 - a failed peer is reported, the run goes on
             report["errors"][system] = f"build: {_reason(e)}"
             log(f"{system} build FAILED: {report['errors'][system]}")
+    if "floor" in systems:
+        keys = [f"{cfg['bucket']}/{k}" for k in cfg["keys"]]
+        seconds, _ = run_pair(_get_main, [keys[0::2], keys[1::2]], cfg["endpoint"])
+        report["build"]["floor"] = {"seconds": seconds, "shards": 0}
+        log(f"build floor: {len(keys)} GETs from 2 processes in {seconds:.1f}s")
 
 
 def one_round(cfg: dict, systems: list[str], report: dict, round_: int) -> None:
     """One round: every reader (fresh caches), then the byte and decode ceilings."""
     report["load"].append(os.getloadavg()[0])
     for system in [s for s in READERS if s in systems and s not in report["errors"]]:
+        if system == "raw" and "ours" not in report["build"]:
+            continue
         cfg["cache"] = os.path.join(cfg["tmp"], f"cache-{round_}-{system}")
         for sub in ("", system):
             os.makedirs(os.path.join(cfg["cache"], sub), exist_ok=True)
@@ -287,7 +309,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", type=int, default=16, help="shard size = total image bytes / this")
     parser.add_argument("--repeat", type=int, default=2, help="rounds of all readers; medians reported")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--only", default=",".join(READERS + ["ceiling", "decode"]))
+    parser.add_argument("--only", default=",".join(READERS + ["ceiling", "decode", "floor"]))
     parser.add_argument("--quick", action="store_true", help="smoke run: 2,000 images, 1 round")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one system's ranks may take")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),

@@ -15,6 +15,7 @@ from importlib import metadata
 NAMES = {
     "ours": "ours: dask_ddp StreamingDataset", "litdata": "LitData StreamingDataset", "wds": "WebDataset",
     "mosaic": "Mosaic Streaming", "folder": "dask_ddp S3ImageFolder (a GET per image)",
+    "raw": "ours, no decoding (the I/O path)", "floor": "build floor: the source images' GETs alone, 2 processes",
     "ceiling": "byte ceiling: s3fs cat of the shards, 2 processes, no decoding",
     "decode": "decode ceiling: PIL + ToTensor from memory, 2 processes",
 }
@@ -87,11 +88,11 @@ def render(report: dict) -> str:
     for system, b in report["build"].items():
         secs = b["seconds"]
         lines.append(f"| {NAMES[system]} | {f'{secs:.1f}' if secs else 'untimed'} | "
-                     f"{f'{args.images / secs:,.0f}' if secs else '-'} | {b['shards']} |")
+                     f"{f'{args.images / secs:,.0f}' if secs else '-'} | {b['shards'] or '-'} |")
     lines += ["", "### Read: images/s", "",
               f"| system | cold epoch | 2nd epoch | cold vs best peer ({best or '-'}) | cold vs byte ceiling |",
               "|---|---:|---:|---:|---:|"]
-    for system in ("ours", "litdata", "wds", "mosaic", "folder", "ceiling", "decode"):
+    for system in ("ours", "raw", "litdata", "wds", "mosaic", "folder", "ceiling", "decode"):
         if system in rates:
             lines.append(f"| {NAMES[system]} | {_cell(report, system, 'cold')} | {_cell(report, system, 'warm')} | "
                          f"{_ratio(cold[system], cold.get(best)) if best else '-'} | {_ratio(cold[system], ceiling)} |")
@@ -109,6 +110,19 @@ def render(report: dict) -> str:
         _goal("ours cold vs byte ceiling", cold["ours"] / ceiling if cold.get("ours") and ceiling else None, 0.9),
         _goal("shard build speed, ours vs LitData optimize (2 workers each)", speed, 2.0),
     ]
+    raw, decode, floor = cold.get("raw"), cold.get("decode"), builds.get("floor", {}).get("seconds")
+    bounds = []
+    if raw and ceiling:
+        bounds.append(f"- ours without decoding vs byte ceiling: {raw / ceiling:.2f}x (the I/O path alone)")
+    if decode:
+        bounds.append(f"- decode ceiling vs best peer cold: {_ratio(decode, peers_cold.get(best))}; ours cold vs "
+                      f"decode ceiling: {_ratio(cold.get('ours'), decode)}")
+    if floor and builds.get("litdata", {}).get("seconds"):
+        bounds.append(f"- build floor vs LitData optimize: {builds['litdata']['seconds'] / floor:.2f}x (the most any "
+                      f"builder of these S3 objects could gain); ours vs the floor: "
+                      f"{_ratio(floor, builds.get('ours', {}).get('seconds'))}")
+    if bounds:
+        lines += ["", "Bounds on this machine:", ""] + bounds
     if report.get("notes"):
         lines += ["", "### Notes", ""] + [f"- {n}" for n in report["notes"]]
     if report["errors"]:
