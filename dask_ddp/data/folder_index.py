@@ -72,10 +72,11 @@ def _s3_session(profile: str | None) -> Any:
     """This process's aiobotocore session for ``profile``, shared by the S3 filesystems :func:`open_fs` opens.
 
     s3fs makes a session per filesystem, and each session parses botocore's S3 service model again (a
-    megabyte of JSON). In a DataLoader worker, forked from a rank holding torch, that parse took 0.5-1 s
-    (the collector walks the inherited heap). The sessions of a profile share one data loader, so a worker
-    inherits the models its rank parsed when it read the index. A forked child gets sessions of its own
-    (a credential refresher holds asyncio locks of the parent's loop); only the loader crosses the fork.
+    megabyte of JSON). In a DataLoader worker, forked from a rank holding torch, that parse took 0.5-0.6 s
+    (0.1 s with the collector off: it walks the inherited heap). The sessions of a profile share one data
+    loader, so a worker inherits the models its rank parsed when it read the index. A forked child gets
+    sessions of its own (a credential refresher holds asyncio locks of the parent's loop); only the loader
+    crosses the fork.
     Raises nothing of its own (ImportError without aiobotocore, which s3fs needs anyway).
     """
     import aiobotocore.session
