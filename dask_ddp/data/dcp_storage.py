@@ -42,7 +42,6 @@ import zlib
 from typing import Any, Callable
 
 from dask_ddp.data import storage
-from dask_ddp.data.storage import is_local
 
 __all__ = ["ShardWriter", "ShardError", "Item", "file_name", "FAULTS", "with_retries", "throttled", "fault"]
 
@@ -116,13 +115,13 @@ class _Upload:
         self.path = f"{writer.root}/{folder}/{name}"
         # an object store takes a file of at most max_file_bytes in one PUT from memory (no multipart upload to
         # assemble); a bigger one (a single item over the bound) is streamed in parts of block_size
-        self.buffered = not is_local(writer.fs) and size <= writer.max_file_bytes
+        self.buffered = not storage.is_local(writer.fs) and size <= writer.max_file_bytes
 
     def run(self) -> tuple[list, int, int]:
         return with_retries(self._once)
 
     def _open(self):
-        if is_local(self.w.fs):
+        if storage.is_local(self.w.fs):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             return open(self.path, "wb")
         if self.buffered:
@@ -148,7 +147,7 @@ class _Upload:
                 records.append((item, Item(self.name, offset, len(raw), dtype, shape, item_crc)))
                 offset += len(raw)
                 fault("item-written", rank=self.w.rank, file=self.name, bytes=offset)
-            if is_local(self.w.fs):
+            if storage.is_local(self.w.fs):
                 f.flush()
                 os.fsync(f.fileno())
             fault("file-close", rank=self.w.rank, file=self.name)

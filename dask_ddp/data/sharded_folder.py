@@ -30,7 +30,7 @@ import re
 import time
 from typing import NamedTuple
 
-from dask_ddp.data import dcp_storage
+from dask_ddp.data import dcp_storage, storage
 from dask_ddp.data.checkpoint import CheckpointError, _Where
 
 __all__ = ["Step", "committed", "commit", "read_metadata", "prune", "lease", "SUBFOLDER", "LEASE_TTL"]
@@ -105,7 +105,7 @@ def committed(where: _Where, names: list[str] | None = None) -> dict[int, Step]:
 
 def _put(where: _Where, path: str, data: bytes, point: str) -> None:
     dcp_storage.fault(point, path=path)
-    if dcp_storage.is_local(where.fs):
+    if storage.is_local(where.fs):
         from dask_ddp.data.checkpoint import _local_atomic_write
 
         _local_atomic_write(path, data)
