@@ -473,6 +473,34 @@ def test_a_rank_waiting_in_cpp_ends_at_once_on_a_cancel(client):
         job.cancel()
 
 
+def _slow_group_teardown():
+    """A 2-rank job whose process group would take a minute to destroy (as an nccl communicator's teardown
+    takes 0.5 s on a GPU, and a comm hook once deadlocked gloo's): a rank's end must not wait for it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.destroy_process_group = lambda *a, **k: time.sleep(60)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group's connections exist
+    return float(t[0]), time.time()
+
+
+def test_a_finished_rank_exits_without_destroying_its_process_group(client):
+    """The path from a trial's end to the next trial's start: once a rank's outcome is sent its process exits;
+    the group's teardown is the exit's (before, the rank destroyed it first and its supervisor waited up to
+    10 s for the exit)."""
+    job = run(client, _slow_group_teardown)
+    try:
+        results = job.result(timeout=120)
+        took = time.time() - max(end for _, end in results)
+        print(f"the function's end -> the job's result, a group that takes a minute to destroy: {took:.2f} s")
+        assert [value for value, _ in results] == [2.0, 2.0]
+        assert took < 8, f"the job waited {took:.1f} s for its ranks to exit: the group was destroyed first"
+        assert leftover_processes(client) == []
+    finally:
+        job.cancel()
+
+
 SIGTERM_SCRIPT = """
 import os, signal, sys, time
 from datetime import timedelta

@@ -113,8 +113,9 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
         timeout: float | None = None, detach: bool = False, **kwargs: Any) -> Job:
     """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
 
-    Inside ``fn`` the torch process group is initialised (and destroyed after
-    ``fn`` returns or raises), torchrun's environment variables are set, and
+    Inside ``fn`` the torch process group is initialised (it ends with the
+    rank's process, once ``fn`` has returned or raised and its outcome is
+    sent), torchrun's environment variables are set, and
     :func:`dask_ddp.get_context` gives rank, world size and device. Each rank
     runs in a child process of its Dask worker, so a hung rank can be killed
     without restarting the worker and ``DataLoader(num_workers>0)`` works.

@@ -238,14 +238,14 @@ class Supervisor:
                     self.rule.set_abort()  # stop the others now, not when the client notices
                 else:
                     self._handle(msg)
-                if result is not None and exit_by is None:  # the child destroys its process group, then exits
+                if result is not None and exit_by is None:  # the child exits once its output is flushed
                     exit_by = time.monotonic() + 10
             elif not child.alive():
                 if child.conn.poll(0):  # its last messages came after the look above, then it exited: read them
                     continue
                 return result or self._died()
             if exit_by is not None and time.monotonic() > exit_by:
-                return result  # stuck in destroy_process_group: the caller kills it, the outcome stands
+                return result  # stuck on its way out: the caller kills it, the outcome stands
             if result is None and self.rule.aborted():
                 self._collect_held_events()
                 return self._fail(Status.ABORTED, self.rule.reason or STOPPED)
