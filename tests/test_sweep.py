@@ -547,6 +547,36 @@ def test_a_bug_in_the_driver_cancels_the_running_trials_and_ends_the_sweep(clien
     _clean(client4)
 
 
+def test_a_client_closing_under_the_drivers_call_cancels_the_sweep_not_fails_it(client4, monkeypatch):
+    """Seen: the client closed between the driver's look at it and its next call to the scheduler, which raised
+    (``AttributeError: 'NoneType' object has no attribute 'identity'``), and the sweep ended FAILED as if the
+    driver had a bug. A closed client cancels its sweep, whenever it closes."""
+    from dask.distributed import Client
+
+    from dask_ddp.client import sweep_driver
+
+    other = Client(client4.scheduler.address, set_as_default=False)
+    real, looks = sweep_driver.scheduler_workers, []
+
+    def closes_first(client):
+        looks.append(client)
+        if client is other and len(looks) == 3:  # a trial or two runs by then
+            other.close()
+        return real(client)
+
+    monkeypatch.setattr(sweep_driver, "scheduler_workers", closes_first)
+    s = dask_ddp.sweep(other, forever, {"lr": [0.1, 0.2]}, n_trials=4, metric="loss", sampler="grid",
+                       progress=False)
+    try:
+        assert s.wait(120)
+    finally:
+        other.close()
+    assert len(looks) >= 3 and s.state == "CANCELLED", (s.state, s.cause)
+    assert s.cause == sweep_driver.CLIENT_CLOSED
+    wait_until(lambda: no_running_ranks(client4), 60, what="the closed client's trials stopped")
+    _clean(client4)
+
+
 @pytest.mark.parametrize("kw, error, match", [
     ({"ranks_per_trial": 5}, PlanError, "ranks_per_trial=5, but the sweep may use only 4 workers"),
     ({"ranks_per_trial": 2, "max_workers": 1}, PlanError, "only 1 workers"),
@@ -566,6 +596,34 @@ def test_bad_input_is_refused_before_anything_starts(client4, kw, error, match):
     space = args.pop("space")
     with pytest.raises(error, match=match):
         dask_ddp.sweep(client4, raises_above, space, **args)
+
+
+def test_one_running_sweep_per_name_on_a_cluster(client4):
+    """The DDP page, Prometheus and attach_sweep know a sweep by its name: a second sweep of a name that runs is
+    refused (from the same client, another one, or detached); the name is free again at the sweep's end, and a
+    claim whose client is gone (a dead notebook) is void."""
+    from dask.distributed import Client
+
+    space, kw = {"lr": {"low": 0.0, "high": 1.0}}, {"n_trials": 4, "metric": "loss", "scheduler": "none"}
+    first = dask_ddp.sweep(client4, forever, space, name="one name", **kw)
+    other = Client(client4.scheduler.address, set_as_default=False)
+    try:
+        for who, detach in ((client4, False), (other, False), (client4, True)):
+            with pytest.raises(ValueError, match="a sweep named 'one name' is running on this cluster"):
+                dask_ddp.sweep(who, forever, space, name="one name", detach=detach, **kw)
+        assert first.state == "RUNNING"
+        dying = dask_ddp.sweep(other, forever, space, name="its client dies", **kw)
+        with pytest.raises(ValueError, match="'its client dies' is running"):
+            dask_ddp.sweep(client4, forever, space, name="its client dies", **kw)
+    finally:
+        other.close()
+        assert first.cancel(60)
+    assert dying.state in ("RUNNING", "CANCELLED")  # its client closed: its trials stop, its claim is void
+    for name in ("one name", "its client dies"):
+        again = dask_ddp.sweep(client4, raises_above, {"lr": [0.1]}, n_trials=1, metric="loss", name=name)
+        assert again.wait(60) and again.state == "FINISHED", again.cause
+    wait_until(lambda: no_running_ranks(client4), 60, what="the dead client's trials stopped")
+    _clean(client4)
 
 
 # ---- without a cluster ----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import dask
 import pandas as pd
 
-from dask_ddp.client import dispatch, search, sweep_continue, sweep_detach, sweep_resume
+from dask_ddp.client import dispatch, search, sweep_continue, sweep_detach, sweep_names, sweep_resume
 from dask_ddp.client import sweep_checks as checks
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
@@ -135,7 +135,8 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         ``train_fn`` or one of ``args``/``kwargs`` cannot be pickled to ship to the workers (names which).
     ValueError
         A space Optuna cannot parse, an unknown ``mode``/``sampler``/``scheduler``, a parameter name that
-        clashes with ``kwargs`` or with ``dispatch.run``'s own keywords.
+        clashes with ``kwargs`` or with ``dispatch.run``'s own keywords; a sweep named ``name`` runs on the
+        cluster already (the DDP page, Prometheus and :func:`attach_sweep` know a sweep by its name).
     PlanError
         ``ranks_per_trial`` (an int) larger than the workers the sweep may use, or bad counts.
     ClientClosedError
@@ -187,10 +188,16 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         if storage is not None:
             optuna.create_study(**study_kw)  # refuses a name the storage holds already, here
         return Sweep(client, spec, sweep_detach.launch(client, spec, searched, study_kw))._start()
-    driver = Driver(client, spec, optuna.create_study(load_if_exists=load_if_exists, **study_kw), searched)
-    if load_if_exists:
-        sweep_continue.adopt(driver)
-    return Sweep(client, spec, driver)._start()
+    sweep_names.claim(client, name)  # one running sweep of a name on a cluster; released at the sweep's end
+    try:
+        driver = Driver(client, spec, optuna.create_study(load_if_exists=load_if_exists, **study_kw), searched)
+        driver.view.claimed = True
+        if load_if_exists:
+            sweep_continue.adopt(driver)
+        return Sweep(client, spec, driver)._start()
+    except BaseException:
+        sweep_names.release(client, name)
+        raise
 
 
 def attach_sweep(client: Client, name: str, *, progress: bool | None = None) -> "Sweep":

@@ -31,6 +31,7 @@ from typing import Any
 import cloudpickle
 import dask
 
+from dask_ddp.client import sweep_names
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import TrialRecord
@@ -63,9 +64,11 @@ _LOCK = threading.Lock()
 
 def _start(blob: bytes, dask_scheduler=None) -> str:
     spec, searched, study_kw = cloudpickle.loads(blob)
+    with sweep_names.LOCK:  # the name is the sweep's until its driver ends (below, in _drive)
+        refused = sweep_names.take(spec.name, sweep_names.DETACHED, dask_scheduler)
+    if refused:
+        raise sweep_names.refusal(refused)
     with _LOCK:
-        if spec.name in _HELD and _state(_HELD[spec.name]) not in ENDED:
-            raise ValueError(f"a detached sweep named {spec.name!r} is running on this cluster: give another name")
         _HELD[spec.name] = held = _Held(spec, study_kw["storage"])
     threading.Thread(target=_drive, args=(dask_scheduler.address, held, searched, study_kw,
                                           dask_scheduler.security), name=f"dask-ddp-sweep-{spec.name}",
@@ -88,6 +91,7 @@ def _drive(address: str, held: _Held, searched: dict, study_kw: dict, security=N
             driver.run()  # in this thread: it returns once every trial has ended
     except Exception as exc:  # noqa: BLE001 - a driver that cannot start is a FAILED sweep
         held.error = f"the detached sweep's driver in the scheduler's process failed: {exc!r}"
+    sweep_names._release(held.spec.name, sweep_names.DETACHED)
     with _LOCK:
         _ENDED.append(held.spec.name)
         while len(_ENDED) > dask.config.get("ddp.detached.keep"):
@@ -152,7 +156,7 @@ def launch(client, spec: SweepSpec, searched: dict, study_kw: dict) -> RemoteDri
     Raises
     ------
     ValueError
-        A detached sweep of that name runs on the cluster already.
+        A sweep of that name runs on the cluster already (detached, or from a notebook).
     """
     client.run_on_scheduler(_start, cloudpickle.dumps((spec, searched, study_kw)))
     return RemoteDriver(client, spec.name, study_kw["storage"])

@@ -1,22 +1,21 @@
 """The sweep's driver: asks Optuna for trials, gang-places them, runs each as a job, tells Optuna how it ended.
 
-Runs in: the client, in the sweep's driver thread (one per sweep). Every Optuna call of a sweep is made
-here, so the study is never used from two threads; the trials' jobs only post to the driver's inbox from
-their watcher threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`):
+Runs in: the client, in the sweep's driver thread (one per sweep). Every Optuna call of a sweep is made here, so
+the study is never used from two threads; the trials' jobs only post to the driver's inbox from their watcher
+threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`):
 
 1. take what the jobs posted: rank 0's reports of the metric go to the trial's
-   :class:`~dask_ddp.client.search.Decider`; when Optuna's pruner answers "prune at step s", the trial's
-   job is stopped (:meth:`Job.stop <dask_ddp.client.job.Job.stop>`: every rank stops at one agreed report,
-   the preemption protocol, saving what ``on_preemption`` registered; ranks that reach no report within
-   ``ddp.sweep.prune-grace`` seconds are killed together, so no rank is left waiting in a collective) and
-   the trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks
-   stopped. A job's end frees its workers (they are free only once every rank has stopped) and is told to Optuna;
+   :class:`~dask_ddp.client.search.Decider`; when Optuna's pruner answers "prune at step s", the trial's job is
+   stopped (:meth:`Job.stop <dask_ddp.client.job.Job.stop>`: every rank stops at one agreed report, the
+   preemption protocol, saving what ``on_preemption`` registered; ranks that reach no report within
+   ``ddp.sweep.prune-grace`` seconds are killed together, so no rank is left waiting in a collective) and the
+   trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks stopped.
+   A job's end frees its workers (free only once every rank has stopped) and is told to Optuna;
 2. fill the free workers: ask Optuna for trials (a short line of them: ``LINE``, up to ``LINE_MAX`` while
    none of them fits the free workers), pick which fits (:func:`~dask_ddp.client.placement.pick`), seat it
    (:func:`~dask_ddp.client.placement.place`) and start its job pinned to those workers (``dispatch.run``);
-3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client
-   closed): queued trials are dropped, running ones cancelled, and the sweep ends when they have stopped.
-"""
+3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client closed):
+   queued trials are dropped, running ones cancelled, and the sweep ends when they have stopped."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from typing import Any
 
 import dask
 
-from dask_ddp.client import dispatch, sweep_continue, sweep_resume
+from dask_ddp.client import dispatch, search, sweep_continue, sweep_resume
 from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
@@ -47,6 +46,7 @@ LINE = 2  # trials asked ahead of a free slot: a trial of another size may fit w
 LINE_MAX = 4  # ... and up to this many while none of them fits the free workers (which would idle meanwhile)
 PATIENCE = 4  # times the head of the line may be passed over before it holds the free workers for itself
 RECHECK = 1.0  # seconds between looks at the cluster while nothing ended (workers may have joined)
+CLIENT_CLOSED = "the Dask client closed: its trials' ranks stop with it"
 
 
 class Driver:
@@ -99,10 +99,13 @@ class Driver:
             while not self.step():
                 pass
         except Exception as exc:  # noqa: BLE001 - never leave trials running unseen
-            logger.exception("dask-ddp sweep %s: its driver failed", self.spec.name)
-            self.error = error = f"the sweep's driver failed: {exc!r}; its trials were cancelled"
+            if closed := getattr(self.client, "status", None) != "running":  # it closed under the driver's call
+                self.error = error = CLIENT_CLOSED
+            else:
+                logger.exception("dask-ddp sweep %s: its driver failed", self.spec.name)
+                self.error = error = f"the sweep's driver failed: {exc!r}; its trials were cancelled"
             self._abandon()
-            self._finish("FAILED", error)
+            self._finish("CANCELLED" if closed else "FAILED", error)
 
     def _abandon(self) -> None:
         """After a bug in the driver: cancel every running trial and wait for its ranks (up to 60 s each), and tell
@@ -116,7 +119,7 @@ class Driver:
                 logger.warning("dask-ddp could not wait for job %s", job.run_id, exc_info=True)
         for number, trial in list(self._optuna.items()):
             try:
-                self._tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+                self._tell(trial, state=search.optuna_module().trial.TrialState.FAIL)
             except Exception:  # noqa: BLE001 - told already, or the storage is gone
                 logger.warning("dask-ddp could not tell Optuna that trial %d ended", number, exc_info=True)
             with self.cond:
@@ -127,7 +130,7 @@ class Driver:
         """One iteration (see the module docstring); True once the sweep has ended."""
         self._take(wait)
         if self._stop is None and getattr(self.client, "status", None) != "running":
-            self._begin_stop("CANCELLED", "the Dask client closed: its trials' ranks stop with it")
+            self._begin_stop("CANCELLED", CLIENT_CLOSED)
         if self._stop is not None:
             if not self._jobs:
                 self._finish(self._stop, self.cause)
@@ -183,7 +186,7 @@ class Driver:
 
     def _ended(self, number: int, job) -> None:
         """The trial's job has ended (every rank stopped): free its workers, tell Optuna, count a failure."""
-        optuna = self._optuna_mod()
+        optuna = search.optuna_module()
         rec, trial = self.trials[number], self._optuna.pop(number)
         self._jobs.pop(number, None)
         self._busy.difference_update(rec.workers)
@@ -313,7 +316,7 @@ class Driver:
         """``study.tell``. Optuna's GridSampler calls ``study.stop()`` there once its grid is walked, which only
         ``study.optimize`` allows (RuntimeError); the trial's end is stored all the same (Optuna stores it in a
         ``finally``), and the sweep stops asking: every point of the grid has had its trial."""
-        optuna = self._optuna_mod()
+        optuna = search.optuna_module()
         try:
             self.study.tell(trial, value, state=state)
         except (RuntimeError, KeyError) as err:
@@ -327,7 +330,7 @@ class Driver:
             self.exhausted = True
 
     def _fail(self, rec: TrialRecord, trial, error: str) -> None:
-        self._tell(trial, state=self._optuna_mod().trial.TrialState.FAIL)
+        self._tell(trial, state=search.optuna_module().trial.TrialState.FAIL)
         self._end(rec, "FAILED", error=error)
         self.failures += 1
         logger.warning("sweep %s: %s", self.spec.name, error.splitlines()[0])
@@ -352,7 +355,7 @@ class Driver:
         self._stop, self.cause = state, cause
         logger.info("sweep %s: stopping (%s)", self.spec.name, cause)
         for number in self._line:
-            self._tell(self._optuna.pop(number), state=self._optuna_mod().trial.TrialState.FAIL)
+            self._tell(self._optuna.pop(number), state=search.optuna_module().trial.TrialState.FAIL)
             self._end(self.trials[number], "CANCELLED", error=f"never started: {cause}")
         self._line.clear()
         for job in list(self._jobs.values()):
@@ -366,12 +369,6 @@ class Driver:
             self.state, self.cause = state, cause
             self.cond.notify_all()
         logger.info("sweep %s %s: %s", self.spec.name, state, cause)
-
-    @staticmethod
-    def _optuna_mod():
-        import optuna
-
-        return optuna
 
 
 def _quiet_cancel(job) -> None:

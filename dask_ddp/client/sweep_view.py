@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from dask_ddp.client import sweep_names
 from dask_ddp.dashboard import jobs as dashboard_jobs
 from dask_ddp.observe.mlflow_sweep import SweepRuns
 
@@ -44,6 +45,7 @@ class SweepView:
     def __init__(self, driver: Driver) -> None:
         self.driver, self.started = driver, time.time()
         self.room = 0  # workers the sweep may use, as the driver last looked
+        self.claimed = False  # the sweep's name is claimed on the scheduler for its client (a notebook's sweep)
         self._last: Any = None
         self._sent = 0.0
         sink = getattr(driver.spec, "mlflow", None)
@@ -88,5 +90,7 @@ class SweepView:
 
     def finish(self, state: str) -> None:
         self.tick(state, force=True)
+        if self.claimed:  # the name is free for the next sweep before wait() returns
+            sweep_names.release(self.driver.client, self.driver.spec.name)
         if self.mlflow is not None:
             self.mlflow.finish(state)
