@@ -598,6 +598,13 @@ def test_bad_input_is_refused_before_anything_starts(client4, kw, error, match):
         dask_ddp.sweep(client4, raises_above, space, **args)
 
 
+def _claims(dask_scheduler=None) -> dict:
+    from dask_ddp.client import sweep_names
+
+    with sweep_names.LOCK:
+        return dict(sweep_names._CLAIMS)
+
+
 def test_one_running_sweep_per_name_on_a_cluster(client4):
     """The DDP page, Prometheus and attach_sweep know a sweep by its name: a second sweep of a name that runs is
     refused (from the same client, another one, or detached); the name is free again at the sweep's end, and a
@@ -621,7 +628,10 @@ def test_one_running_sweep_per_name_on_a_cluster(client4):
     assert dying.state in ("RUNNING", "CANCELLED")  # its client closed: its trials stop, its claim is void
     for name in ("one name", "its client dies"):
         again = dask_ddp.sweep(client4, raises_above, {"lr": [0.1]}, n_trials=1, metric="loss", name=name)
+        # the scheduler holds no claim of a client that is gone (its memory stays bounded), only this one
+        assert client4.run_on_scheduler(_claims) == {name: client4.id}
         assert again.wait(60) and again.state == "FINISHED", again.cause
+    assert client4.run_on_scheduler(_claims) == {}  # each ended sweep released its name
     wait_until(lambda: no_running_ranks(client4), 60, what="the dead client's trials stopped")
     _clean(client4)
 

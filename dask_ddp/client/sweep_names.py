@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["claim", "release", "take", "DETACHED"]
+__all__ = ["claim", "release", "refusal", "take", "DETACHED"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -29,9 +29,9 @@ LOCK = threading.Lock()
 # ---- in the scheduler's process --------------------------------------------------------------------------
 def take(name: str, owner: str, dask_scheduler) -> str | None:
     """Claim ``name`` for ``owner`` (call under :data:`LOCK`); the reason it cannot be, or None once claimed."""
+    for gone in [n for n, o in _CLAIMS.items() if o != DETACHED and o not in dask_scheduler.clients]:
+        del _CLAIMS[gone]  # its client is gone (a dead notebook): so is its sweep; no claim outlives its client
     held = _CLAIMS.get(name)
-    if held is not None and held != DETACHED and held not in dask_scheduler.clients:
-        held = None  # its client is gone: so is its sweep
     if held == DETACHED:
         return f"a detached sweep named {name!r} is running on this cluster"
     if held is not None:
