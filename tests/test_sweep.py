@@ -556,23 +556,50 @@ def test_a_client_closing_under_the_drivers_call_cancels_the_sweep_not_fails_it(
     from dask_ddp.client import sweep_driver
 
     other = Client(client4.scheduler.address, set_as_default=False)
-    real, looks = sweep_driver.scheduler_workers, []
+    real, started, closed = sweep_driver.scheduler_workers, [], []
 
-    def closes_first(client):
-        looks.append(client)
-        if client is other and len(looks) == 3:  # a trial or two runs by then
-            other.close()
+    def closes_first(client):  # the driver's look at the cluster, every second while nothing ends
+        if started and not closed and (started[0].results()["steps"] > 0).sum() == 4:  # every worker's trial
+            closed.append(other.close())  # reports (a trial still being launched would show its rank after the end)
         return real(client)
 
     monkeypatch.setattr(sweep_driver, "scheduler_workers", closes_first)
-    s = dask_ddp.sweep(other, forever, {"lr": [0.1, 0.2]}, n_trials=4, metric="loss", sampler="grid",
-                       progress=False)
+    s = dask_ddp.sweep(other, forever, {"lr": {"low": 0.0, "high": 1.0}}, n_trials=8, metric="loss",
+                       scheduler="none", progress=False)
+    started.append(s)
     try:
         assert s.wait(120)
     finally:
         other.close()
-    assert len(looks) >= 3 and s.state == "CANCELLED", (s.state, s.cause)
+    assert closed and s.state == "CANCELLED", (s.state, s.cause)
     assert s.cause == sweep_driver.CLIENT_CLOSED
+    df = s.results()
+    assert set(df["state"]) == {"CANCELLED"} and (df["steps"] > 0).sum() == 4, df  # none FAILED by the close
+    wait_until(lambda: no_running_ranks(client4), 60, what="the closed client's trials stopped")
+    _clean(client4)
+
+
+def test_client_close_mid_sweep_cancels_it_and_none_of_its_trials_fail(client4):
+    """``client.close()`` while a sweep runs: seen, trials whose jobs ended (ClientClosedError) before the driver
+    saw the closed client were recorded FAILED, and a sweep stayed RUNNING a minute after. Now every trial is
+    CANCELLED and the sweep ends CANCELLED at once."""
+    from dask.distributed import Client
+
+    from dask_ddp.client import sweep_driver
+
+    other = Client(client4.scheduler.address, set_as_default=False)
+    try:
+        s = dask_ddp.sweep(other, forever, {"lr": {"low": 0.0, "high": 1.0}}, n_trials=8, metric="loss",
+                           scheduler="none", progress=False)
+        wait_until(lambda: (s.results()["steps"] > 0).sum() == 4, 120, what="a trial on every worker reporting")
+    finally:
+        other.close()
+    closed = time.monotonic()
+    assert s.wait(60), s
+    print(f"client.close() -> the sweep ended: {time.monotonic() - closed:.2f} s")
+    df = s.results()
+    assert s.state == "CANCELLED" and s.cause == sweep_driver.CLIENT_CLOSED, (s.state, s.cause)
+    assert set(df["state"]) == {"CANCELLED"}, df[["trial", "state", "error"]]
     wait_until(lambda: no_running_ranks(client4), 60, what="the closed client's trials stopped")
     _clean(client4)
 

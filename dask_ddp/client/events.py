@@ -29,6 +29,7 @@ __all__ = ["EventOrder", "TopicFeed", "WorkerWatch", "items_of"]
 
 logger = logging.getLogger("dask_ddp")
 
+SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort cleanup call to the scheduler may take (a job's end waits)
 _WAKE: dict = {}  # queued by TopicFeed.wake(): no batch, a reason to look
 
 
@@ -133,8 +134,10 @@ class TopicFeed:
         """
         handlers = getattr(self.client, "_event_handlers", None)  # private (distributed 2026.7): guarded
         if drop:
-            try:
-                self.client.run_on_scheduler(drop_topic, self.topic)
+            try:  # a closed client's call never returned (its loop closed under it): not tried, and bounded
+                if getattr(self.client, "status", None) != "running":
+                    raise ConnectionError("the client is closed")
+                self.client.run_on_scheduler(drop_topic, self.topic, callback_timeout=SCHEDULER_CALL_TIMEOUT)
             except Exception:  # noqa: BLE001 - the client or scheduler is gone: so is the topic, or it stays
                 drop = False
         if not drop:

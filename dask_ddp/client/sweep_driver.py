@@ -129,8 +129,7 @@ class Driver:
     def step(self, wait: float = 0.1) -> bool:
         """One iteration (see the module docstring); True once the sweep has ended."""
         self._take(wait)
-        if self._stop is None and getattr(self.client, "status", None) != "running":
-            self._begin_stop("CANCELLED", CLIENT_CLOSED)
+        self._client_closed()
         if self._stop is not None:
             if not self._jobs:
                 self._finish(self._stop, self.cause)
@@ -205,7 +204,7 @@ class Driver:
             self._fail(rec, trial, f"trial {number} (job {rec.run_id}) finished without reporting the metric "
                                    f"{self.spec.metric!r} on rank 0; the keys it reported: {seen}. Report it with "
                                    f"dask_ddp.report({self.spec.metric}=value), or pass metric= one of those keys")
-        elif job.state == "CANCELLED" and self._stop is not None:
+        elif (job.state == "CANCELLED" and self._stop is not None) or self._client_closed():  # ended by its close
             self._tell(trial, state=optuna.trial.TrialState.FAIL)
             self._end(rec, "CANCELLED", error=f"cancelled: {self.cause}")
         else:
@@ -336,12 +335,9 @@ class Driver:
         logger.warning("sweep %s: %s", self.spec.name, error.splitlines()[0])
         limit = self.spec.max_failures
         if limit is not None and self.failures >= limit and self._stop is None:
-            self._begin_stop("FAILED", f"{self.failures} trials failed (max_failures={limit}); the first: "
-                                       f"{self._first_error()}")
-
-    def _first_error(self) -> str:
-        return next((r.error for r in sorted(self.trials.values(), key=lambda r: r.ended or 0)
-                     if r.state == "FAILED" and r.error), "")
+            first = next((r.error for r in sorted(self.trials.values(), key=lambda r: r.ended or 0)
+                          if r.state == "FAILED" and r.error), "")
+            self._begin_stop("FAILED", f"{self.failures} trials failed (max_failures={limit}); the first: {first}")
 
     def _end(self, rec: TrialRecord, state: str, value: float | None = None, error: str | None = None) -> None:
         self._deciders.pop(rec.number, None)
@@ -350,6 +346,13 @@ class Driver:
             rec.end(state, error)
             self.cond.notify_all()
         self.view.ended(rec)
+
+    def _client_closed(self) -> bool:
+        """Whether the client is closed; then the sweep stops (its trials' ranks stop with the client)."""
+        closed = getattr(self.client, "status", None) != "running"
+        if closed and self._stop is None:
+            self._begin_stop("CANCELLED", CLIENT_CLOSED)
+        return closed
 
     def _begin_stop(self, state: str, cause: str) -> None:
         self._stop, self.cause = state, cause

@@ -57,6 +57,7 @@ __all__ = ["supervise", "Supervisor", "forget_attempt"]
 
 logger = logging.getLogger("dask_ddp")
 
+FORGET_TIMEOUT = 10.0  # seconds forget_attempt's call to the scheduler may take
 _UNWANTED = {"cancelled", "released", "forgotten"}  # a task nobody wants any more (its client released it)
 _CLOSING = (WorkerStatus.closing, WorkerStatus.closing_gracefully)
 
@@ -352,7 +353,10 @@ def forget_attempt(task: RankTask, client=None) -> None:
     """
     try:
         client = client or get_worker().client
-        client.run_on_scheduler(_forget_on_scheduler, task.abort_event, task.port_variable, task.cancel_event)
+        if getattr(client, "status", None) != "running":  # a closing client's call never returned: not tried
+            return
+        client.run_on_scheduler(_forget_on_scheduler, task.abort_event, task.port_variable, task.cancel_event,
+                                callback_timeout=FORGET_TIMEOUT)  # bounded: a job's end waits for it
     except Exception:  # noqa: BLE001 - the scheduler may be gone; its state went with it
         pass
 
