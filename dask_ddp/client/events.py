@@ -23,13 +23,12 @@ import weakref
 from typing import Callable
 
 from dask_ddp.wire.events import items_of, unpack
-from dask_ddp.worker.relay import drop_topic
+from dask_ddp.worker.relay import drop_topic, on_scheduler
 
 __all__ = ["EventOrder", "TopicFeed", "WorkerWatch", "items_of"]
 
 logger = logging.getLogger("dask_ddp")
 
-SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort cleanup call to the scheduler may take (a job's end waits)
 _WAKE: dict = {}  # queued by TopicFeed.wake(): no batch, a reason to look
 
 
@@ -134,10 +133,8 @@ class TopicFeed:
         """
         handlers = getattr(self.client, "_event_handlers", None)  # private (distributed 2026.7): guarded
         if drop:
-            try:  # a closed client's call never returned (its loop closed under it): not tried, and bounded
-                if getattr(self.client, "status", None) != "running":
-                    raise ConnectionError("the client is closed")
-                self.client.run_on_scheduler(drop_topic, self.topic, callback_timeout=SCHEDULER_CALL_TIMEOUT)
+            try:
+                on_scheduler(self.client, drop_topic, self.topic)
             except Exception:  # noqa: BLE001 - the client or scheduler is gone: so is the topic, or it stays
                 drop = False
         if not drop:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from dask_ddp.client.events import SCHEDULER_CALL_TIMEOUT
+from dask_ddp.worker.relay import on_scheduler
 
 __all__ = ["claim", "release", "refusal", "take", "DETACHED"]
 
@@ -70,8 +70,8 @@ def claim(client, name: str) -> None:
         A sweep of that name runs on the cluster already (from a notebook, or detached).
     """
     try:
-        refused = client.run_on_scheduler(_claim, name, client.id, callback_timeout=SCHEDULER_CALL_TIMEOUT)
-    except Exception:  # noqa: BLE001 - dask-ddp not installed where the scheduler runs: nothing to check with
+        refused = on_scheduler(client, _claim, name, client.id)
+    except Exception:  # noqa: BLE001 - dask-ddp not on the scheduler, or no answer in time: nothing to check with
         logger.debug("dask-ddp could not check the sweep name %r on the scheduler", name, exc_info=True)
         return
     if refused:
@@ -80,9 +80,7 @@ def claim(client, name: str) -> None:
 
 def release(client, name: str) -> None:
     """End this client's claim of ``name`` (best effort: a claim of a client that is gone is void anyway)."""
-    if getattr(client, "status", None) != "running":  # its call would never return (its loop is closed)
-        return
     try:
-        client.run_on_scheduler(_release, name, client.id, callback_timeout=SCHEDULER_CALL_TIMEOUT)
+        on_scheduler(client, _release, name, client.id)
     except Exception:  # noqa: BLE001 - the client or the scheduler is gone
         pass

@@ -1,6 +1,7 @@
 """The relay: one rank's events, published from its Dask worker in batches.
 
-Runs in: the Dask worker (the rank supervisor's thread and the relay's own).
+Runs in: the Dask worker (the rank supervisor's thread and the relay's own); :func:`drop_topic` on the
+scheduler, :func:`on_scheduler` wherever a client calls it (the worker's or the notebook's).
 
 :class:`Relay` publishes one event per batch (the format of
 :mod:`dask_ddp.wire.events`, items packed as bytes) on the job's topic, at most
@@ -31,11 +32,12 @@ import dask
 from dask_ddp.wire.events import EventLimits, chunked, clip_line, dropped_item, item_size, pack_items
 from dask_ddp.worker.hub import forward
 
-__all__ = ["Relay", "drop_topic"]
+__all__ = ["Relay", "drop_topic", "on_scheduler"]
 
 logger = logging.getLogger("dask_ddp")
 
 TICK = 0.1  # seconds between the relay's looks at what is queued
+SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort call to the scheduler may take (a job's end waits for it)
 
 
 class Relay:
@@ -157,3 +159,18 @@ def drop_topic(topic: str, dask_scheduler=None) -> bool:
     """On the scheduler: forget ``topic``, its events and its subscribers (``Broker._topics``, private)."""
     topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)
     return topics is not None and topics.pop(topic, None) is not None
+
+
+def on_scheduler(client, fn, *args):
+    """``client.run_on_scheduler(fn, *args)`` for the best-effort calls at a job's or sweep's end, bounded.
+
+    Raises
+    ------
+    ConnectionError
+        The client is not running: a closing client's call never returned (its loop closed under it).
+    TimeoutError
+        No answer within :data:`SCHEDULER_CALL_TIMEOUT` seconds.
+    """
+    if getattr(client, "status", None) != "running":
+        raise ConnectionError(f"the Dask client is not running (status {getattr(client, 'status', None)!r})")
+    return client.run_on_scheduler(fn, *args, callback_timeout=SCHEDULER_CALL_TIMEOUT)

@@ -49,7 +49,7 @@ from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
 from dask_ddp.worker.process import RankProcess, stop_marked
 from dask_ddp.worker.pump import PUMP_WAIT, OutputPump
-from dask_ddp.worker.relay import Relay, drop_topic
+from dask_ddp.worker.relay import Relay, drop_topic, on_scheduler
 from dask_ddp.worker.stopping import ORPHANED, STOPPED, StopRule
 from dask_ddp.worker.tmpdirs import worker_tmp_root
 
@@ -57,7 +57,6 @@ __all__ = ["supervise", "Supervisor", "forget_attempt"]
 
 logger = logging.getLogger("dask_ddp")
 
-FORGET_TIMEOUT = 10.0  # seconds forget_attempt's call to the scheduler may take
 _UNWANTED = {"cancelled", "released", "forgotten"}  # a task nobody wants any more (its client released it)
 _CLOSING = (WorkerStatus.closing, WorkerStatus.closing_gracefully)
 
@@ -353,10 +352,7 @@ def forget_attempt(task: RankTask, client=None) -> None:
     """
     try:
         client = client or get_worker().client
-        if getattr(client, "status", None) != "running":  # a closing client's call never returned: not tried
-            return
-        client.run_on_scheduler(_forget_on_scheduler, task.abort_event, task.port_variable, task.cancel_event,
-                                callback_timeout=FORGET_TIMEOUT)  # bounded: a job's end waits for it
+        on_scheduler(client, _forget_on_scheduler, task.abort_event, task.port_variable, task.cancel_event)
     except Exception:  # noqa: BLE001 - the scheduler may be gone; its state went with it
         pass
 
