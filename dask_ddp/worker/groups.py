@@ -13,6 +13,9 @@ while the pidfd shows the leader has not exited (its id is then still the group'
 only while the exit is not known yet (``exited``). Where neither holds, nothing is sent: what is left of the
 group is found by the rank's token instead (:func:`dask_ddp.worker.process.stop_marked`).
 
+:meth:`ProcessGroup.signal_members` signals the members one by one, each through a pidfd of its own, sparing some
+(the resource tracker, see :meth:`dask_ddp.worker.process._Rank.kill`).
+
 Whether a member still *runs* is read from ``/proc`` (zombies do not run: an orphaned member's zombie
 may wait seconds for init to reap it).
 """
@@ -85,6 +88,60 @@ class ProcessGroup:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def signal_members(self, sig: int, spare: Callable[[bytes], bool]) -> list[int] | None:
+        """Send ``sig`` to each running member of the group but those whose command line (``/proc/<pid>/cmdline``,
+        NUL-separated) ``spare`` accepts; return the pids spared. None where it cannot be done safely (no pidfds;
+        before Linux 6.9, once the leader has exited, the group cannot be told from another that took its id):
+        the members not reached yet were not signalled, and the caller signals the group or its leader instead.
+
+        Each member is signalled through a pidfd of its own, opened *before* its group and command line are read,
+        and only if, after that read, the pidfd shows it still runs and the group is still this one (the kernel
+        says the leader's group has members, or the leader has not exited): the process checked is the process
+        signalled, never one that took the pid of a member that ended, nor a member of a group that took this
+        group's id. A member forked after the look at ``/proc`` is not seen: call again.
+        """
+        with self._lock:
+            if self._fd is None or not hasattr(os, "pidfd_open"):
+                return None
+            spared: list[int] = []
+            for pid in self.running():
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError as exc:
+                    if exc.errno == errno.ENOSYS:  # no pidfds on this kernel
+                        return None
+                    continue  # ended meanwhile
+                try:
+                    member, cmdline = _member_of(pid, self.pid)
+                    if not member or select.select([fd], [], [], 0)[0]:  # another group's, or it ended meanwhile
+                        continue
+                    if not self._group_is_ours():  # gone (the kernel says so), or unknown: the leader exited
+                        return spared if self._group_flag else None
+                    if spare(cmdline):
+                        spared.append(pid)
+                    else:
+                        signal.pidfd_send_signal(fd, sig)
+                except OSError:  # ended meanwhile, or not ours to signal
+                    continue
+                finally:
+                    os.close(fd)
+            return spared
+
+    def _group_is_ours(self) -> bool:
+        """Whether the group's id is still this group's: it has members (asked of the kernel through the
+        leader's pidfd, Linux 6.9+), or else the leader has not exited (its pid, the id, is then surely its own)."""
+        if self._fd is not None and self._group_flag:
+            try:
+                signal.pidfd_send_signal(self._fd, 0, None, PIDFD_SIGNAL_PROCESS_GROUP)  # 0: sends nothing
+                return True
+            except ProcessLookupError:
+                return False
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    return False
+                self._group_flag = False
+        return not self._leader_exited()
+
     def _leader_exited(self) -> bool:
         if self._fd is not None:  # readable once the leader has exited (a zombie or reaped)
             return bool(select.select([self._fd], [], [], 0)[0])
@@ -142,3 +199,15 @@ class ProcessGroup:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _member_of(pid: int, group: int) -> tuple[bool, bytes]:
+    """Whether process ``pid`` is in process group ``group``, and its command line (b"" if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (OSError, IndexError):
+        return False, b""
+    return len(fields) > 2 and int(fields[2]) == group, cmdline

@@ -91,6 +91,26 @@ def _marked(mark: bytes) -> list[int]:
     return found
 
 
+def _is_tracker(cmdline: bytes) -> bool:
+    """Whether a command line (``/proc/<pid>/cmdline``) is a multiprocessing resource tracker's."""
+    return b"multiprocessing.resource_tracker" in cmdline
+
+
+def _sparing_trackers(group: ProcessGroup, wait: float) -> None:
+    """SIGKILL every member of ``group`` but its resource trackers, again until none but trackers is left (a
+    member may fork meanwhile), and wait up to ``wait`` s for the trackers to remove what was left registered
+    and exit. Where members cannot be told apart safely (no pidfds; see
+    :meth:`~dask_ddp.worker.groups.ProcessGroup.signal_members`): SIGKILL to the leader alone, and the wait."""
+    deadline = time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        if group.signal_members(signal.SIGKILL, spare=_is_tracker) is None:
+            group.signal_leader(signal.SIGKILL)
+            group.wait(left)
+            return
+        if group.wait(min(left, 0.1)):  # every member ended, the trackers too
+            return
+
+
 class _Rank:
     """What both kinds of rank process share: the socket to it and ending its process group."""
 
@@ -120,8 +140,12 @@ class _Rank:
         2. SIGTERM to the group, then up to ``grace`` s until no member runs. The group's resource tracker
            ignores SIGTERM: it outlives the others and removes the shared memory and semaphores they leaked
            (SIGKILL to the whole group at once killed it too, and they stayed in /dev/shm).
-        3. If some still run: SIGKILL to the rank alone, up to :data:`TRACKER_WAIT` s for the tracker to clean
-           up after it, then SIGKILL to the group.
+        3. If some still run (the job's code ignores SIGTERM, or handles it and goes on, in the rank or in what
+           it forked): SIGKILL to every member but the resource trackers (:func:`_sparing_trackers`), then up to
+           :data:`TRACKER_WAIT` s for the trackers to clean up and exit, then SIGKILL to the group. A tracker
+           cleans up once every process that holds its pipe has ended: SIGKILL to the rank alone left its
+           forked children holding it, the tracker waited, and the group's SIGKILL killed it with the segments
+           still in /dev/shm.
 
         Every signal goes through :class:`~dask_ddp.worker.groups.ProcessGroup`, never to a pid that may have
         been reused. Thread-safe: a second call waits for the first; then a no-op.
@@ -132,8 +156,8 @@ class _Rank:
             self._hang_up()
             self.group.signal(signal.SIGTERM)
             if not self.group.wait(grace):
-                self.group.signal_leader(signal.SIGKILL)
-                if not self.group.wait(TRACKER_WAIT):
+                _sparing_trackers(self.group, TRACKER_WAIT)
+                if not self.group.wait(0):
                     self.group.signal(signal.SIGKILL)
             self.wait(10)
             self.group.close()
