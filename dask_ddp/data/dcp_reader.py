@@ -7,18 +7,24 @@ needs most of (``whole_file_share``, half by default) in one GET (the fastest
 path on S3), else the items' byte ranges; files in parallel threads. Each
 item's CRC-32 is checked before it lands in the state; a mismatch or a missing
 file raises :class:`~dask_ddp.data.dcp_storage.ShardError` naming the rank and the key.
+
+A CRC-32 proves nothing against whoever can write the folder (it lives in
+``.metadata``, theirs to write too): a non-tensor item is unpickled here with
+``weights_only=True`` (:mod:`dask_ddp.data.dcp_values`) and handed to the planner
+as a value, never as bytes that DCP's planner would unpickle with
+``weights_only=False``; an item the safe loader refuses raises ``ShardError``
+naming the rank, the URL, the key and what to do, and nothing of it runs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import io
 import threading
 import time
 import zlib
 
-from dask_ddp.data import dcp_storage
+from dask_ddp.data import dcp_storage, dcp_values
 from dask_ddp.data.dcp_storage import ShardError, with_retries
 
 __all__ = ["ShardReader"]
@@ -115,10 +121,15 @@ class ShardReader:
                              f"{item.offset + item.length} ({req.storage_index.fqn}) fail their CRC-32 check: the "
                              "object was changed or is corrupt; load another step=...")
         if req.type == LoadItemType.BYTE_IO:
+            value = self._value(req, item, data)
             with lock:  # the planner's bookkeeping is not thread-safe
-                planner.load_bytes(req, io.BytesIO(bytes(data)))
+                dcp_values.hand_over(planner, req, value)
             return
-        dtype = getattr(torch, str(item.dtype))
+        dtype = getattr(torch, str(item.dtype), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ShardError(f"rank {self.rank}: {self.url}/.metadata gives {req.storage_index.fqn} the dtype "
+                             f"{str(item.dtype)[:40]!r}, which is not a torch dtype: the checkpoint is corrupt or was "
+                             "changed; load another step=...")
         tensor = torch.frombuffer(data, dtype=dtype) if item.length else torch.empty(0, dtype=dtype)
         tensor = narrow_tensor_by_index(tensor.reshape(item.shape), req.storage_offsets, req.lengths)
         with lock:
@@ -130,3 +141,15 @@ class ShardReader:
         target.copy_(tensor)  # each request lands in a target of its own: no lock needed for the copy
         with lock:
             planner.commit_tensor(req, target)
+
+    def _value(self, req, item: dcp_storage.Item, data):
+        """A non-tensor item's value, read with ``weights_only=True``; a refusal is a ShardError naming the key."""
+        try:
+            return dcp_values.load(bytes(data))
+        except dcp_values.Refused as exc:
+            raise ShardError(
+                f"rank {self.rank}: {self.url}/{item.file} item {req.storage_index.fqn!r} {exc.reason}, so it was "
+                "not loaded (nothing in it ran). Whoever can write that folder may have planted code there: do not "
+                "use this step unless you trust them and know what wrote it. Load another step (step=...; dask-ddp "
+                "export: --step N), or, for a type of your own in a checkpoint you trust, register it with "
+                f"{dcp_values.HOW_TO_ALLOW}") from None

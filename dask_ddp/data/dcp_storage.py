@@ -13,7 +13,8 @@ silent loss of pytorch #183878), and it writes no commit marker. This writer:
   streamed as a multipart upload in parts of ``block_size``), named with a
   4-hex-digit hash first so that many ranks spread over S3's key partitions;
 - records each item's offset, length, dtype, shape and CRC-32, and each
-  file's size and CRC-32;
+  file's size and CRC-32; refuses a non-tensor value that ``torch.load(weights_only=True)``
+  could not read back (:mod:`dask_ddp.data.dcp_values`: loads read no other way);
 - closes (local disk: fsyncs) every file and checks its size on the store
   before it reports the item written; a throttled request (503, SlowDown) is
   retried with exponential backoff and jitter; an upload that outlives the
@@ -41,7 +42,7 @@ import time
 import zlib
 from typing import Any, Callable
 
-from dask_ddp.data import storage
+from dask_ddp.data import dcp_values, storage
 
 __all__ = ["ShardWriter", "ShardError", "Item", "file_name", "FAULTS", "with_retries", "throttled", "fault"]
 
@@ -224,6 +225,7 @@ class ShardWriter:
         from torch.futures import Future
 
         self.folder, self.rank = folder, rank = plan.storage_data["folder"], plan.storage_data["rank"]
+        dcp_values.check_items(planner, plan.items, rank)  # a value weights_only=True could not read back: refused
         started = time.perf_counter()
         uploads = [_Upload(self, folder, file_name(self.step, rank, i), group, planner, size)
                    for i, (group, size) in enumerate(self._groups(plan.items))]

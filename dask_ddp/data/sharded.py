@@ -143,6 +143,9 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
     steps. None (state untouched) when the folder has no committed step.
     Arguments as in :func:`save_sharded`.
 
+    Values that are not tensors are unpickled with ``weights_only=True`` only: a checkpoint cannot run code
+    in the ranks that load it, whoever wrote the folder.
+
     Raises
     ------
     FileNotFoundError
@@ -151,7 +154,8 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
         The checkpoint was made with another model: missing or unexpected keys, or shapes that
         differ (each named); or its metadata is unreadable.
     ShardError
-        A shard is missing or fails its CRC-32 check (names rank and key).
+        A shard is missing or fails its CRC-32 check, or an item holds objects that ``weights_only=True``
+        refuses (nothing of it ran); names the rank, the URL, the key and what to do.
     PermissionError, NotInRankError, TypeError, ValueError
         As in :func:`save_sharded`.
     """
@@ -176,7 +180,8 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
         no_dist = _world(group) == 1
         with _quiet():
             if flat:
-                sharded_state.run_dcp(lambda: _dcp_load(flat, reader, group), "loading", found.step)
+                sharded_state.run_dcp(lambda: sharded_state.load_main(flat, reader, group, no_dist), "loading",
+                                      found.step)
             loaded = sharded_state.run_dcp(lambda: sharded_state.load_extras(extras, reader, group, no_dist),
                                            "loading", found.step)
     sharded_state.apply(state, flat, loaded)
@@ -190,12 +195,6 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _dcp_load(flat: dict, reader, group) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(flat, storage_reader=reader, process_group=group, no_dist=_world(group) == 1)
 
 
 def _pick(where, step: int | None):

@@ -5,7 +5,9 @@ Runs in: any one process (a notebook, a shell, a serving box): no process group,
 The whole state is read with torch DCP's format utilities (the
 empty-state load planner of ``dcp_to_torch_save``, which rebuilds the nested
 dict from the checkpoint's own metadata, with ``no_dist``) over our reader, so every shard's
-CRC-32 is checked, and written once. ``torch`` keeps the nested dict as saved
+CRC-32 is checked and every value that is not a tensor is unpickled with ``weights_only=True``
+(:mod:`dask_ddp.data.dcp_values`: a checkpoint handed over for export cannot run code), and written once.
+``torch`` keeps the nested dict as saved
 (``{"model": {...}, "optim": {...}, "epoch": 3}``); ``safetensors`` takes the
 tensors under flattened names (``model.0.weight``, ``optim.state.0.weight.exp_avg``)
 and the other values as JSON in the file's metadata (``dask_ddp.values``).
@@ -17,7 +19,7 @@ import io
 import json
 
 from dask_ddp.data import checkpoint as _ckpt
-from dask_ddp.data import dcp_reader, sharded_folder, sharded_state
+from dask_ddp.data import dcp_reader, dcp_values, sharded_folder, sharded_state
 
 __all__ = ["export_sharded", "read_sharded"]
 
@@ -31,9 +33,8 @@ def read_sharded(directory: str, *, step: int | None = None, storage_options: di
     FileNotFoundError
         No committed step there, or not ``step`` (the message lists those there are).
     CheckpointError, ShardError, PermissionError
-        As :func:`dask_ddp.load_sharded`.
+        As :func:`dask_ddp.load_sharded` (a ShardError for an item ``weights_only=True`` refuses).
     """
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     where = _ckpt._where(directory, storage_options)
@@ -47,7 +48,9 @@ def read_sharded(directory: str, *, step: int | None = None, storage_options: di
         reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{chosen.folder}", chosen.url,
                                         metadata, options=where.options)
         state: dict = {}  # no_dist: this process alone, even inside a process group
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        sharded_state.run_dcp(lambda: _load_state_dict(state, storage_reader=reader, no_dist=True,
+                                                       planner=dcp_values.load_planner(rebuild=True)),
+                              "reading", chosen.step)  # the reader's own error, not DCP's wrapper
     return chosen.step, sharded_state.decode_keys(state)
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 
+from dask_ddp.data import dcp_values
 from dask_ddp.data.checkpoint import CheckpointError
 
-__all__ = ["to_save", "to_load", "load_extras", "apply", "encode_keys", "decode_keys", "check_agreement",
+__all__ = ["to_save", "to_load", "load_main", "load_extras", "apply", "encode_keys", "decode_keys", "check_agreement",
            "check_against", "run_dcp", "on_rank_zero"]
 
 
@@ -93,14 +94,20 @@ def to_load(state: dict) -> tuple[dict, list[str]]:
     return to_save(main), [k for k in state if k not in main]
 
 
+def load_main(flat: dict, reader, group, no_dist: bool) -> None:
+    """Load the models and the optimizer of :func:`to_load` in place (``dcp.load``, values read safely)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(flat, storage_reader=reader, planner=dcp_values.load_planner(), process_group=group, no_dist=no_dist)
+
+
 def load_extras(keys: list[str], reader, group, no_dist: bool) -> dict:
     """Read the entries ``keys`` of a checkpoint whole (every rank the same), as saved."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     out: dict = {}  # filled by the planner from the metadata (dcp.load would fill a copy of it)
-    if keys:
-        _load_state_dict(out, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=set(keys)),
+    if keys:  # values read with weights_only=True (dcp_values)
+        _load_state_dict(out, storage_reader=reader, planner=dcp_values.load_planner(rebuild=True, keys=set(keys)),
                          process_group=group, no_dist=no_dist)
     return out
 
