@@ -77,7 +77,7 @@ class Controller:
     def __init__(self, spec: LaunchSpec, run_id: str, cluster, record: JobRecord, owner: Any = None,
                  clock: Callable[[], float] = time.monotonic, raw_results: bool = False):
         self.spec, self.run_id, self.cluster, self.record = spec, run_id, cluster, record
-        self.owner, self.clock, self.raw_results = owner, clock, raw_results  # raw: values stay pickled (detach)
+        self.owner, self.clock, self.raw = owner, clock, raw_results  # raw: values and errors stay pickled (detach)
         self.callbacks = Callbacks(spec.callbacks)
         self.order = EventOrder()
         self.silence = SilenceWatch(spec.worker_timeout)
@@ -309,7 +309,7 @@ class Controller:
         if capped is not None:
             self._end("FAILED", capped, decision.reason)
         elif decision.action == Action.FINISH:
-            values, error = policy.results(att.outcomes, self.raw_results, self.run_id)
+            values, error = policy.results(att.outcomes, self.raw, self.run_id)
             self._end("FAILED" if error else "FINISHED", error, str(error) if error else decision.reason, values)
         elif stop or self.cancel_requested:
             self.record.stopped_step = pre.step if stop else None
@@ -318,7 +318,7 @@ class Controller:
         elif decision.action == Action.RESTART:
             self._begin_restart(att, decision)
         else:
-            self._end("FAILED", policy.root_error(decision, att.outcomes.values(), self.run_id), decision.reason)
+            self._end("FAILED", policy.root_error(decision, outcomes, self.run_id, self.raw), decision.reason)
 
     def _after_preemption(self, pre: Stopped) -> policy.Decision:
         """Restart after a preemption or growth (not counted against max_restarts), saying what was saved."""
@@ -350,7 +350,7 @@ class Controller:
         try:
             plan = planning.make_plan(workers, selection, self.spec.master_addr)
         except Exception as exc:  # noqa: BLE001 - not enough workers, or the named ones are gone
-            err = policy.root_error(self._decision, att.outcomes.values(), self.run_id)
+            err = policy.root_error(self._decision, att.outcomes.values(), self.run_id, self.raw)
             err.add_note(f"[dask-ddp] no restart: {need} workers were not available within "
                          f"{self.spec.restart_wait} s ({exc})")
             return self._end("FAILED", err, f"restart impossible: {exc}")

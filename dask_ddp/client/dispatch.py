@@ -30,6 +30,7 @@ from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
 from dask_ddp.client import detach as detach_module
 from dask_ddp.client.callbacks import HOOKS
 from dask_ddp.client.cluster import check_client, scheduler_workers
+from dask_ddp.client.control import LocalControl
 from dask_ddp.client.detach import attach
 from dask_ddp.client.job import Job
 from dask_ddp.dashboard import install as install_dashboard
@@ -49,6 +50,9 @@ BACKENDS = ("auto", "nccl", "gloo")
 MAX_NAME = 100
 # ddp.warm-cuda for the jobs this thread starts (None: the config's); a sweep's driver sets ddp.sweep.warm-cuda there
 WARM_CUDA: contextvars.ContextVar[bool | None] = contextvars.ContextVar("dask_ddp_warm_cuda", default=None)
+# the jobs this thread starts keep their ranks' values and errors pickled: set by a detached sweep's driver, in the
+# scheduler's process, where unpickling them could run a rank's code (client/policy.py: results, root_error)
+PICKLED: contextvars.ContextVar[bool] = contextvars.ContextVar("dask_ddp_pickled", default=False)
 
 def _local_module(fn: Callable):
     """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
@@ -201,7 +205,9 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
                       max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, timeout=timeout,
                       checkpoint_options=checkpoint_options)
     install_dashboard(client)  # the DDP page and /metrics gauges on the scheduler (once; never raises)
-    return detach_module.launch(client, spec) if detach else Job(client, spec)._start()
+    if detach:
+        return detach_module.launch(client, spec)
+    return Job(client, spec, LocalControl(client, spec, raw_results=PICKLED.get()))._start()
 
 
 def warm_up(client: Client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:

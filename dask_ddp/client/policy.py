@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import cloudpickle
 import dask
 
-from dask_ddp.wire.errors import DaskDDPError, RankFailedError, StallError, WorkerLostError
+from dask_ddp.wire.errors import DaskDDPError, PickledRankError, RankFailedError, StallError, WorkerLostError
 from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.plan import RankSpec, elastic_bounds
@@ -87,21 +87,32 @@ def decide(outcomes: Sequence[RankOutcome], *, cancelled: bool, attempt: int, ma
     return Decision(Action.FAIL, f"{where}{tail}", root)
 
 
-def root_error(decision: Decision, outcomes: Sequence[RankOutcome], run_id: str) -> BaseException:
+def root_error(decision: Decision, outcomes: Sequence[RankOutcome], run_id: str, raw: bool = False) -> BaseException:
     """The exception ``Job.result()`` raises for a failed attempt: the root cause's own exception (its type
-    and traceback kept), with a note grouping what happened to the other ranks."""
+    and traceback kept), with a note grouping what happened to the other ranks.
+
+    ``raw``: keep it pickled, as a :class:`~dask_ddp.wire.errors.PickledRankError` of at most
+    ``ddp.detached.max-result-bytes`` (a driver in the scheduler's process, as for :func:`results`): only the
+    client that reads the job unpickles it (``load()``).
+    """
     root = decision.root
     if root is None:
         return RankFailedError(f"job {run_id} failed: {decision.reason}")
-    try:
-        err = cloudpickle.loads(root.error)
-    except Exception as exc:  # noqa: BLE001 - e.g. the exception's class is not importable here
-        err = RankFailedError(f"rank {root.rank} on worker {root.worker} failed; its error could not be "
-                              f"unpickled on the client ({exc!r}): {root.message}", rank=root.rank, worker=root.worker)
+    where, cap = f"rank {root.rank} on worker {root.worker}", int(dask.config.get("ddp.detached.max-result-bytes"))
+    if raw and len(root.error or b"") > cap:
+        err: BaseException = RankFailedError(
+            f"{where} raised an exception of {len(root.error or b''):,} bytes pickled, over "
+            f"ddp.detached.max-result-bytes ({cap:,}): the scheduler keeps a detached job's errors. Raise a smaller "
+            f"exception (keep large data out of its fields), or raise the setting. {root.message}".rstrip(),
+            rank=root.rank, worker=root.worker)
+    else:
+        err = PickledRankError(f"{where} failed: {root.message or 'it raised an exception'} (kept pickled in the "
+                               "scheduler's process: the client that reads the job unpickles it)",
+                               blob=root.error or b"", detail=root.message, rank=root.rank, worker=root.worker)
     others = sorted((o for o in outcomes if o.rank != root.rank or o.status != root.status), key=lambda o: o.rank)
     if others:
         err.add_note("[dask-ddp] other ranks: " + "; ".join(f"rank {o.rank} {_FATE[o.status]}" for o in others))
-    return err
+    return err if raw or not isinstance(err, PickledRankError) else err.load()
 
 
 def restart_request(selection: Any, world_size: int) -> tuple[int, Any]:

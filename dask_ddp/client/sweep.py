@@ -98,7 +98,9 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         More keywords for each trial's :func:`~dask_ddp.dispatch.run` (``backend``, ``stall_timeout``,
         ``timeout``, ``checkpoint_dir``, ...).
     storage : str or optuna storage
-        Where the Optuna study lives (default in memory): e.g. ``"sqlite:///sweep.db"``.
+        Where the Optuna study lives (default in memory): e.g. ``"sqlite:///sweep.db"``. With ``detach=True`` a
+        relative SQLite path is made absolute here, in this client's working folder, since the driver opens it in
+        the scheduler's process: the file must be where both see it at that path (one machine, a shared disk).
     name : str
         The sweep's (and its study's) name; default the function's name and 8 random hex digits.
     seed : int
@@ -177,6 +179,7 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
         raise ValueError("exploit=True starts trials from other trials' checkpoints: pass run_options="
                          "{'checkpoint_dir': url} and give train_fn a resume_from=None parameter")
     name = name or f"{getattr(train_fn, '__name__', 'sweep').strip('<>')}-{uuid.uuid4().hex[:8]}"
+    storage = sweep_detach.absolute_storage(storage) if detach else storage  # the scheduler's folder is another
     study_kw = {"storage": storage, "study_name": name, "direction": "minimize" if mode == "min" else "maximize",
                 "sampler": search.make_sampler(sampler, searched, seed), "pruner": search.make_pruner(scheduler)}
     spec = SweepSpec(name=name, fn=train_fn, args=tuple(args), kwargs=kwargs, fixed=fixed, ranks=ranks,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import threading
 import time
 from collections import deque
@@ -31,15 +32,16 @@ from typing import Any
 import cloudpickle
 import dask
 
-from dask_ddp.client import sweep_names
+from dask_ddp.client import dispatch, sweep_names
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import TrialRecord
 from dask_ddp.wire.errors import DaskDDPError
 
-__all__ = ["launch", "find", "RemoteDriver", "SweepNotFound"]
+__all__ = ["launch", "find", "RemoteDriver", "SweepNotFound", "SchedulerDriver", "absolute_storage"]
 
 ENDED = ("FINISHED", "FAILED", "CANCELLED")
+_SQLITE = "sqlite:///"  # SQLAlchemy's URL of a SQLite file: a relative path after it, an absolute one after four
 
 
 class SweepNotFound(DaskDDPError, LookupError):
@@ -47,6 +49,18 @@ class SweepNotFound(DaskDDPError, LookupError):
 
 
 # ---- in the scheduler's process --------------------------------------------------------------------------
+class SchedulerDriver(Driver):
+    """The driver of a detached sweep, in the scheduler's process: its trials' jobs keep their ranks' return values
+    and exceptions pickled (``dispatch.PICKLED``; values at most ``ddp.detached.max-result-bytes``, as a detached
+    job's), since unpickling one runs whatever its ``__reduce__`` names; a failed trial's exception reaches the
+    client that follows the sweep (``TrialRecord.failure``), which unpickles it."""
+
+    def run(self) -> None:
+        """Drive the sweep in this thread (a resumed sweep runs it in a new thread: the flag is set there too)."""
+        dispatch.PICKLED.set(True)
+        super().run()
+
+
 class _Held:
     """A detached sweep as the scheduler's process holds it: its spec, and its driver once its client is up."""
 
@@ -83,7 +97,7 @@ def _drive(address: str, held: _Held, searched: dict, study_kw: dict, security=N
     try:
         with Client(address, security=security, set_as_default=False) as client:
             study = optuna.create_study(load_if_exists=True, **study_kw)
-            driver = Driver(client, held.spec, study, searched)
+            driver = SchedulerDriver(client, held.spec, study, searched)
             with _LOCK:
                 held.driver, stop = driver, held.stop_asked
             if stop:
@@ -112,7 +126,9 @@ def _find(name: str, dask_scheduler=None) -> tuple[bytes, Any] | None:
     return None if held is None else (cloudpickle.dumps(held.spec), held.storage)
 
 
-def _snapshot(name: str, dask_scheduler=None) -> dict | None:
+def _snapshot(name: str, loaded: list[int] | None = None, dask_scheduler=None) -> dict | None:
+    """The sweep's state and trials; a failed trial's pickled exception only for a trial not in ``loaded`` (the
+    client has it already)."""
     with _LOCK:
         held = _HELD.get(name)
     if held is None:
@@ -123,8 +139,11 @@ def _snapshot(name: str, dask_scheduler=None) -> dict | None:
     with driver.cond:
         trials = [copy.copy(r) for r in driver.trials.values()]
         state, cause = driver.state, driver.cause
+    known = set(loaded or ())
     for r in trials:
         r.keys = set(r.keys)
+        if r.number in known:
+            r.failure = None
     return {"state": state, "cause": cause, "trials": cloudpickle.dumps(trials)}
 
 
@@ -150,6 +169,19 @@ def _resume(name: str, number: int, ranks: int | None, params: dict | None, dask
 
 
 # ---- the client's side ------------------------------------------------------------------------------------
+def absolute_storage(storage: Any) -> Any:
+    """``storage`` with a relative SQLite path made absolute here, on the client: the detached sweep's driver opens
+    it in the scheduler's process, whose working folder is another (``sqlite:///sweep.db`` would be a new, empty
+    study there while this client reads its own file). Other storages as they are; the file must be where both
+    processes see it at that path (one machine, or a shared file system)."""
+    if not isinstance(storage, str) or not storage.startswith(_SQLITE):
+        return storage
+    path, sep, query = storage[len(_SQLITE):].partition("?")
+    if not path or path == ":memory:" or os.path.isabs(path):
+        return storage
+    return _SQLITE + os.path.abspath(path) + sep + query
+
+
 def launch(client, spec: SweepSpec, searched: dict, study_kw: dict) -> RemoteDriver:
     """Start ``spec`` with its driver in the scheduler's process; return a driver following it.
 
@@ -195,6 +227,7 @@ class RemoteDriver:
         self.cond = threading.Condition()
         self.trials: dict[int, TrialRecord] = {}
         self.state, self.cause = "RUNNING", ""
+        self._errors: dict[int, str] = {}  # trial number -> its error, loaded here from the pickled exception
         self._study = None
         self._thread = threading.Thread(target=self._follow, name=f"dask-ddp-follow-sweep-{name}", daemon=True)
 
@@ -237,13 +270,20 @@ class RemoteDriver:
                     return
 
     def _poll(self) -> None:
-        snap = self.client.run_on_scheduler(_snapshot, self.name)
+        snap = self.client.run_on_scheduler(_snapshot, self.name, list(self._errors))
+        trials = cloudpickle.loads(snap["trials"]) if snap and snap["trials"] else None
+        for r in trials or ():  # a failed trial's exception: unpickled here, the user's process, once
+            if r.failure is not None:
+                r.load_failure()
+                self._errors[r.number] = r.error
+            elif r.number in self._errors:
+                r.error = self._errors[r.number]
         with self.cond:
             if snap is None:
                 self.state, self.cause = "FAILED", (f"the scheduler no longer knows detached sweep {self.name} "
                                                     "(it restarted, or the sweep ended long ago)")
             else:
-                if snap["trials"]:
-                    self.trials = {r.number: r for r in cloudpickle.loads(snap["trials"])}
+                if trials:
+                    self.trials = {r.number: r for r in trials}
                 self.state, self.cause = snap["state"], snap["cause"]
             self.cond.notify_all()

@@ -33,7 +33,7 @@ from dask_ddp.client.cluster import scheduler_workers
 from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
 from dask_ddp.client.sweep_view import SweepView
-from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord
+from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord, failed_text, job_error
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.events import RESERVED_KEYS
 from dask_ddp.worker import plugin
@@ -190,9 +190,9 @@ class Driver:
         self._jobs.pop(number, None)
         self._busy.difference_update(rec.workers)
         self._look_at = 0.0
-        error = _job_error(job)
+        error, failure = job_error(job)  # failure: a rank's exception still pickled (a detached sweep's trial)
         with self.cond:
-            rec.stopped_step = getattr(job, "stopped_step", None)
+            rec.stopped_step, rec.failure = getattr(job, "stopped_step", None), failure
         if rec.pruned_at is not None:
             self._tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._end(rec, "PRUNED", value=rec.last)  # Optuna keeps the last intermediate value: the same
@@ -208,7 +208,7 @@ class Driver:
             self._tell(trial, state=optuna.trial.TrialState.FAIL)
             self._end(rec, "CANCELLED", error=f"cancelled: {self.cause}")
         else:
-            self._fail(rec, trial, f"trial {number} (job {rec.run_id}) failed:\n{error}")
+            self._fail(rec, trial, failed_text(number, rec.run_id, error))
 
     # ---- filling free workers ------------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -389,12 +389,3 @@ def _quiet_stop(job, cause: str) -> None:
     except Exception:  # noqa: BLE001 - the client may be closing: the job then ends on its own
         logger.warning("dask-ddp could not stop job %s", getattr(job, "run_id", job), exc_info=True)
         _quiet_cancel(job)
-
-
-def _job_error(job) -> str | None:
-    """The job's error with its traceback (None when it finished)."""
-    try:
-        job.result(timeout=60, progress=False)
-    except BaseException as exc:  # noqa: BLE001 - the rank's own exception, JobCancelledError, ...
-        return "".join(traceback.format_exception(exc))
-    return None

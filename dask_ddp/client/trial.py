@@ -15,10 +15,16 @@ from __future__ import annotations
 import math
 import queue
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["SweepSpec", "TrialHooks", "TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS"]
+import cloudpickle
+
+from dask_ddp.wire.errors import PickledRankError
+
+__all__ = ["SweepSpec", "TrialHooks", "TrialRecord", "TRIAL_STATES", "TRIAL_ENDED", "COLUMNS", "job_error",
+           "failed_text"]
 
 TRIAL_STATES = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "FAILED", "CANCELLED")
 TRIAL_ENDED = ("COMPLETE", "PRUNED", "FAILED", "CANCELLED")
@@ -50,6 +56,7 @@ class TrialRecord:
     checkpoint: str | None = None  # its own checkpoint folder (run_options' checkpoint_dir / its run id)
     keys: set[str] = field(default_factory=set)  # every key any rank reported
     error: str | None = None  # the failure, with its traceback
+    failure: bytes | None = None  # a detached sweep's trial: its PickledRankError, pickled (a client loads it)
     queued: float = field(default_factory=time.time)
     started: float | None = None  # its job was started
     first_report: float | None = None  # rank 0's first report of the metric (the rank's clock)
@@ -69,6 +76,19 @@ class TrialRecord:
         self.state, self.ended = state, time.time()
         if error is not None:
             self.error = error
+
+    def load_failure(self) -> None:
+        """In the client, for a trial of a detached sweep: ``error`` from the rank's own exception (``failure``),
+        which the driver in the scheduler's process kept pickled. Raises nothing: an error that cannot be loaded
+        here keeps the driver's text."""
+        if self.failure is None:
+            return
+        try:
+            err = cloudpickle.loads(self.failure).load()
+            self.error = failed_text(self.number, self.run_id, "".join(traceback.format_exception(err)))
+        except Exception:  # noqa: BLE001 - not a PickledRankError: the driver's text stays
+            pass
+        self.failure = None
 
     def row(self) -> dict[str, Any]:
         """The trial's row of ``Sweep.results()``."""
@@ -119,3 +139,19 @@ class TrialHooks:
 
     def on_finish(self, job) -> None:
         self.inbox.put(("end", self.number, job))
+
+
+def failed_text(number: int, run_id: str | None, error: str | None) -> str:
+    """A failed trial's ``error``: which trial and job, and the job's error with its traceback."""
+    return f"trial {number} (job {run_id}) failed:\n{error}"
+
+
+def job_error(job) -> tuple[str | None, bytes | None]:
+    """The job's error with its traceback (None when it finished), and a rank's exception that its driver kept
+    pickled (a detached sweep's trial, in the scheduler's process: see :mod:`dask_ddp.client.sweep_detach`)."""
+    try:
+        job.result(timeout=60, progress=False)
+    except BaseException as exc:  # noqa: BLE001 - the rank's own exception, JobCancelledError, ...
+        return "".join(traceback.format_exception(exc)), (cloudpickle.dumps(exc) if isinstance(exc, PickledRankError)
+                                                           else None)
+    return None, None

@@ -18,6 +18,7 @@ __all__ = [
     "PlanError",
     "SerializationError",
     "RankFailedError",
+    "PickledRankError",
     "RankExitError",
     "WorkerLostError",
     "StallError",
@@ -65,6 +66,34 @@ class SerializationError(DaskDDPError, TypeError):
 
 class RankFailedError(DaskDDPError):
     """A rank ended without a Python exception of its own (killed by a signal, exited, crashed)."""
+
+
+class PickledRankError(RankFailedError):
+    """A rank's exception kept pickled (``blob``) where it must not be unpickled: in the scheduler's process, where
+    the drivers of detached jobs and sweeps run (unpickling runs whatever the exception's ``__reduce__`` names).
+    The client that reads the job calls :meth:`load` for the rank's own exception; ``detail`` is the rank's
+    one-line description of its failure, if any."""
+
+    def __init__(self, message: str, *, blob: bytes = b"", detail: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.blob, self.detail = blob, detail
+
+    def load(self) -> BaseException:
+        """The rank's own exception, unpickled in this process, with this error's notes; a :class:`RankFailedError`
+        saying why when it cannot be unpickled here (its class is not importable, say). Raises nothing."""
+        import cloudpickle
+
+        try:
+            err = cloudpickle.loads(self.blob)
+            if not isinstance(err, BaseException):
+                raise TypeError(f"it unpickled to a {type(err).__name__}, not an exception")
+        except Exception as exc:  # noqa: BLE001 - e.g. the exception's class is not importable here
+            err = RankFailedError(f"rank {self.rank} on worker {self.worker} failed; its error could not be "
+                                  f"unpickled on the client ({exc!r}): {self.detail}", rank=self.rank,
+                                  worker=self.worker)
+        for note in getattr(self, "__notes__", ()):
+            err.add_note(note)
+        return err
 
 
 class RankExitError(RankFailedError):
