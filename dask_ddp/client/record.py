@@ -16,6 +16,7 @@ from collections import deque
 
 from dask_ddp.wire.errors import DaskDDPWarning
 from dask_ddp.wire.events import EventLimits, item_size
+from dask_ddp.wire.notices import forged_note
 
 __all__ = ["JobRecord", "format_log", "STATES", "ENDED"]
 
@@ -42,7 +43,8 @@ class JobRecord:
     other row goes, the newest half stays whole: a long job keeps its shape), and the oldest lines and
     events go. A sink (``JSONLinesSink``) keeps the whole history. ``n_events`` counts every event ever
     added, so a reader can tell where it is even after the oldest were dropped. ``dropped`` counts, per
-    rank, what its ranks' limits dropped (``ddp.events.max-*``, see :class:`~dask_ddp.wire.events.EventLimits`).
+    rank, what its ranks' limits dropped (``ddp.events.max-*``, see :class:`~dask_ddp.wire.events.EventLimits`);
+    ``throttled``, per rank, the seconds its ``report()`` calls waited for room in its budget (nothing lost).
     """
 
     def __init__(self, run_id: str, max_rows: int = 100_000, max_lines: int = 10_000, max_bytes: int = 32 << 20,
@@ -53,6 +55,7 @@ class JobRecord:
         self.thinned = 0  # reports dropped from metric_rows to stay within max_bytes
         self.dropped: dict[int, int] = {}  # rank -> reports and lines its limits dropped (all attempts)
         self.drop_reasons: dict[tuple[str, str], int] = {}  # (what, reason) -> count
+        self.throttled: dict[int, float] = {}  # rank -> seconds its reports waited for room (all attempts)
         self.cond = threading.Condition()
         self.state = "PENDING"
         self.history: list[tuple[float, str, str, str]] = []  # (time, old, new, cause)
@@ -85,8 +88,13 @@ class JobRecord:
                         it = {**prev, **{k: v for k, v in it.items() if v is not None}}
                     self.telemetry[it["rank"]] = it
                 items = [it for it in items if it.get("kind") != "telemetry"]
-            if any(it.get("kind") == "dropped" for it in items):
+            if any(it.get("kind") in ("dropped", "throttled") for it in items):
                 items = self._count_dropped(items)
+            if any(it.get("kind") == "forged" for it in items):  # a rank ignored forged store values: history only
+                for it in items:
+                    if it.get("kind") == "forged":
+                        self.note(forged_note(it))
+                items = [it for it in items if it.get("kind") != "forged"]
             for item in items:
                 size = item_size(item)
                 self._append(self.events, "events", item, size)
@@ -131,8 +139,11 @@ class JobRecord:
                 self.sizes[name] -= item_size(rows.popleft())
 
     def _count_dropped(self, items: list[dict]) -> list[dict]:
-        """Count the ``"dropped"`` items (named once per reason in ``history``); the other items."""
+        """Count the ``"dropped"`` and ``"throttled"`` items (named once per reason in ``history``); the other
+        items."""
         for it in items:
+            if it.get("kind") == "throttled":
+                self._count_throttled(it)
             if it.get("kind") != "dropped":
                 continue
             rank, count, what, reason = it.get("rank"), int(it.get("count") or 0), it.get("what"), it.get("reason")
@@ -143,7 +154,19 @@ class JobRecord:
                 self.note(f"rank {rank} sent {what}s past its limit: {self.limits.why(str(reason))}; they are "
                           f"dropped and counted (job.dropped); report less often or fewer keys, or raise the setting",
                           user=True)
-        return [it for it in items if it.get("kind") != "dropped"]
+        return [it for it in items if it.get("kind") not in ("dropped", "throttled")]
+
+    def _count_throttled(self, item: dict) -> None:
+        """A rank's reports waited for room in its budget (none lost): said once, added up for the end."""
+        rank, seconds = item.get("rank"), item.get("seconds")
+        seconds = float(seconds) if isinstance(seconds, (int, float)) else 0.0
+        first = not self.throttled
+        self.throttled[rank] = self.throttled.get(rank, 0.0) + seconds
+        if first:
+            self.note(f"rank {rank} reported faster than its budget ({self.limits.interval_bytes} bytes a flush "
+                      "interval after a burst of four, ddp.events.max-bytes-per-interval): report() waits for room "
+                      "so that no report is lost, which slows the loop; report less often or fewer keys, or raise "
+                      "the setting", user=True)
 
     def dropped_summary(self) -> str | None:
         """What the ranks' limits dropped, all reasons, as one line (None when nothing was)."""
@@ -153,6 +176,17 @@ class JobRecord:
             parts = [f"{n} {what}s ({reason})" for (what, reason), n in sorted(self.drop_reasons.items())]
             ranks = ", ".join(f"rank {r}: {n}" for r, n in sorted(self.dropped.items(), key=lambda kv: str(kv[0])))
         return f"dropped past the ranks' limits (ddp.events.max-*): {', '.join(parts)}; by rank: {ranks}"
+
+    def throttled_summary(self) -> str | None:
+        """How long the ranks' reports waited for room in their budgets, as one line (None if they never did)."""
+        with self.cond:
+            if not self.throttled:
+                return None
+            waits = sorted(self.throttled.items(), key=lambda kv: str(kv[0]))
+            ranks = ", ".join(f"rank {r}: {s:.1f} s" for r, s in waits)
+            total = sum(self.throttled.values())
+        return (f"report() waited for room in the ranks' budgets (ddp.events.max-bytes-per-interval), {total:.1f} s "
+                f"in all ({ranks}); no report was lost")
 
     def events_since(self, n: int, limit: int | None = None) -> tuple[list[dict], int]:
         """Events from number ``n`` on, at most ``limit`` (those dropped meanwhile are skipped), and the number
@@ -188,6 +222,9 @@ class JobRecord:
         summary = self.dropped_summary()
         if summary is not None and not self.settled:
             self.note(summary)
+        waited = self.throttled_summary()
+        if waited is not None and not self.settled:
+            self.note(waited)
         with self.cond:
             self.settled = True
             self.cond.notify_all()

@@ -1,4 +1,4 @@
-"""``report()``: metrics from a rank to the notebook, batched, never blocking.
+"""``report()``: metrics from a rank to the notebook, batched, complete, in order.
 
 Runs in: the rank process (``report()`` and its flusher thread).
 
@@ -10,9 +10,17 @@ supervisor publishes each batch at once, as one Dask event. The training
 thread never waits on the network.
 
 What a rank may send is bounded (:class:`~dask_ddp.wire.events.EventLimits`):
-a report past a limit, or past the rank's byte budget for the current flush
-interval, is dropped (the step still counts, and preemption still stops at it),
-and the next batch carries the count of what was dropped, and why.
+a report past a limit of its own (keys, a name's length, its bytes) is dropped
+(the step still counts, and preemption still stops at it), and the next batch
+carries the count of what was dropped, and why. The rank's bytes are paced by
+a token bucket (:class:`~dask_ddp.wire.events.Budget`): four flush intervals'
+worth at once (``4 x ddp.events.max-bytes-per-interval``, about 10,000 small
+reports), then one interval's worth per interval. A report past it is not
+dropped: ``report()`` waits until the bucket has earned its bytes (at most
+``size / rate``, under 0.1 s at the defaults; the wait reads the clock, never
+the event pipe, so it always ends), and the next batch says how long it waited
+(a ``"throttled"`` item: ``job.history`` names it). A log record past it is
+dropped and counted: logging never waits.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ from dask_ddp.wire.events import (
     INT_MAX,
     INT_MIN,
     RESERVED_KEYS,
+    Budget,
     EventLimits,
     clip_line,
     dropped_item,
     item_size,
     safe_text,
+    throttled_item,
 )
 
 __all__ = ["report", "RESERVED_KEYS", "safe_text", "clip_line"]
@@ -84,30 +94,62 @@ def _in_range(key: str, value: int) -> int:
 class EventBuffer:
     """The rank's events waiting for the flusher thread; safe to add to from several threads.
 
-    Lock-free on purpose: ``report()`` runs between two training steps, when
-    the CPU caches hold the step's tensors, and every object it touches costs
-    cache misses (a lock pair alone cost ~6 us there). ``deque.append``,
-    ``deque.popleft`` and ``next(itertools.count)`` are atomic under the GIL.
+    Lock-free on the fast path on purpose: ``report()`` runs between two
+    training steps, when the CPU caches hold the step's tensors, and every
+    object it touches costs cache misses (a lock pair alone cost ~6 us there).
+    ``deque.append``, ``deque.popleft`` and ``next(itertools.count)`` are
+    atomic under the GIL; the budget's fast path is one comparison and one
+    addition (:class:`~dask_ddp.wire.events.Budget`), its slow path is locked.
+    ``interval``: the rank's flush interval, which paces the budget.
     """
 
-    def __init__(self, rank: int, attempt: int, limits: EventLimits | None = None):
+    def __init__(self, rank: int, attempt: int, limits: EventLimits | None = None, interval: float = 1.0):
         self.rank, self.attempt = rank, attempt
         self.limits = EventLimits() if limits is None else limits
         self.items: deque[dict] = deque()
         self.steps = itertools.count()
-        self.used = 0  # bytes (item_size) added since the last drain: at most limits.interval_bytes
+        self.budget = self._budget(interval)
         self.dropped: dict[tuple[str, str], int] = {}  # (what, reason) -> count, since the last drain
-        self._drop_lock = threading.Lock()  # the slow path only: drops and their hand-over in drain()
+        self.waited, self.waits = 0.0, 0  # seconds report() waited for room, and how many calls, since the drain
+        self._drop_lock = threading.Lock()  # the slow path only: drops, waits and their hand-over in drain()
+        self._room_lock = threading.Lock()  # the budget's slow path: one refill at a time, debts in call order
+
+    def _budget(self, interval: float) -> Budget:
+        return Budget.per_interval(self.limits.interval_bytes, interval, self.limits.burst_bytes)
+
+    def pace(self, interval: float) -> None:
+        """Pace the budget by ``interval`` (the rank's flush interval), full again: before the job's code runs."""
+        self.budget = self._budget(interval)
 
     def add(self, item: dict, size: int | None = None, what: str = "line") -> bool:
-        """Queue ``item`` if this interval's budget has room for it (else count it dropped); True if queued."""
+        """Queue ``item`` if the budget has room for it now (else count it dropped); True if queued."""
         size = item_size(item) if size is None else size
-        if self.used + size > self.limits.interval_bytes:
-            self.drop(what, "rate")
-            return False
-        self.used += size
+        budget = self.budget
+        if budget.used + size <= budget.granted:
+            budget.used += size
+        else:
+            with self._room_lock:
+                room = budget.take(size)
+            if not room:
+                self.drop(what, "rate")
+                return False
         self.items.append(item)
         return True
+
+    def put(self, item: dict, size: int) -> None:
+        """Queue a report: when the budget is short, first wait until it has earned the report's bytes."""
+        budget = self.budget
+        if budget.used + size <= budget.granted:  # the fast path: a comparison and an addition
+            budget.used += size
+        else:
+            with self._room_lock:
+                wait = budget.reserve(size)
+            if wait > 0:
+                time.sleep(wait)
+                with self._drop_lock:
+                    self.waited += wait
+                    self.waits += 1
+        self.items.append(item)
 
     def drop(self, what: str, reason: str) -> None:
         """Count one report (``what="report"``) or log record (``"line"``) dropped for ``reason``."""
@@ -121,18 +163,21 @@ class EventBuffer:
         return step
 
     def drain(self) -> list[dict]:
-        """What is queued, then one ``"dropped"`` item per reason something was dropped since the last drain."""
+        """What is queued, then one ``"dropped"`` item per reason something was dropped since the last drain and
+        a ``"throttled"`` item if reports waited for room."""
         out, pop = [], self.items.popleft
-        self.used = 0
         try:
             while True:
                 out.append(pop())
         except IndexError:
             pass
-        if self.dropped:
+        if self.dropped or self.waits:
             with self._drop_lock:
                 dropped, self.dropped = self.dropped, {}
+                (waited, waits), self.waited, self.waits = (self.waited, self.waits), 0.0, 0
             out += [dropped_item(self.rank, self.attempt, what, reason, n) for (what, reason), n in dropped.items()]
+            if waits:
+                out.append(throttled_item(self.rank, self.attempt, waited, waits))
         return out
 
 
@@ -145,12 +190,16 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     buffer (a few microseconds); a background thread ships it within 0.1 s,
     or, while the rank reports often, as one batch every
     ``ddp.events.flush-interval`` (1 s). Every report reaches
-    ``job.metrics``, in order, within what a rank may send: a report with more
-    than ``ddp.events.max-report-keys`` (256) keys, a name longer than
-    ``max-key-length`` (256), more than ``max-report-bytes`` (16 KiB), or past
-    ``max-bytes-per-interval`` (256 KiB a flush interval: about 3,000 small
-    reports) is dropped and counted in ``job.dropped`` and
-    ``job.history``, never raised. It is the step boundary of preemption: when a
+    ``job.metrics`` and the sinks, in order. A rank's reports are paced:
+    up to ``4 x ddp.events.max-bytes-per-interval`` (1 MiB, about 10,000 small
+    reports) at once, then ``max-bytes-per-interval`` (256 KiB, about 2,000
+    to 3,000 small reports) a flush interval; past that a call waits until the
+    rank's budget has room for it (at most ``size / rate``: under 0.1 s at the
+    defaults), and ``job.history`` says how long the reports waited. A report
+    with more than ``ddp.events.max-report-keys`` (256) keys, a name longer than
+    ``max-key-length`` (256) or more than ``max-report-bytes`` (16 KiB) is
+    dropped and counted in ``job.dropped`` and ``job.history``, never raised.
+    It is the step boundary of preemption: when a
     worker of the job is leaving, every rank stops at one agreed report (see
     :func:`dask_ddp.on_preemption`).
 
@@ -207,8 +256,8 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     if fault is not None:
         buf.drop("report", fault)
     else:
-        buf.add({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
-                 **values}, size, "report")
+        buf.put({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
+                 **values}, size)
     if _preemption._PENDING is not None:  # a worker of the job leaves: agree on a step, save, stop there
         _preemption.at_report(step)
 
@@ -297,8 +346,9 @@ class Flusher(threading.Thread):
 
 def install(buf: EventBuffer, send: Callable[[list], None], interval: float, sampler=None) -> Flusher:
     """Make ``buf`` this process's report buffer, forward logging records into it, start the flusher
-    (which adds ``sampler``'s telemetry items to its batches)."""
+    (which adds ``sampler``'s telemetry items to its batches); ``buf``'s budget is paced by ``interval``."""
     global _BUFFER
+    buf.pace(interval)
     _BUFFER = buf
     os.register_at_fork(after_in_child=_forget_buffer)  # once per rank process: it runs one job
     root = logging.getLogger()

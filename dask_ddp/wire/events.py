@@ -10,9 +10,11 @@ read back with :func:`items_of`): the scheduler keeps the last 1,000 events of a
 bytes they cost it their size, not the ~4x a tree of Python objects costs, and free at once.
 
 What one rank may send is bounded (:class:`EventLimits`, the ``ddp.events.max-*`` settings): a
-report with too many keys, a key too long or too many bytes is dropped, and so is what passes a
-rank's byte budget per flush interval. Nothing is dropped silently: the count travels as an item of
-kind ``"dropped"`` (:func:`dropped_item`) to ``job.dropped``, ``job.history`` and the dashboard.
+report with too many keys, a key too long or too many bytes is dropped. A rank's bytes are paced by
+a token bucket (:class:`Budget`): ``report()`` waits for room rather than drop (and says so with an
+item of kind ``"throttled"``, :func:`throttled_item`); what passes the worker's own budget is dropped.
+Nothing is dropped silently: the count travels as an item of kind ``"dropped"`` (:func:`dropped_item`)
+to ``job.dropped``, ``job.history`` and the dashboard.
 
 Dask's wire is msgpack: ints in [:data:`INT_MIN`, :data:`INT_MAX`] and text that encodes as
 UTF-8. Dask's ``log_event`` checks neither, and a value outside breaks the worker's batched stream, so the
@@ -30,8 +32,8 @@ from dataclasses import dataclass
 import msgpack
 
 __all__ = ["RESERVED_KEYS", "INT_MIN", "INT_MAX", "MAX_LINE", "safe_text", "clip_line", "wire_safe", "escaped",
-           "unpack", "chunked", "item_size", "batch_size", "pack_items", "items_of", "EventLimits", "DROP_REASONS",
-           "dropped_item"]
+           "unpack", "chunked", "item_size", "flat_size", "batch_size", "pack_items", "items_of", "EventLimits",
+           "Budget", "DROP_REASONS", "dropped_item", "throttled_item"]
 
 #: Keys every event carries; a metric may not use them.
 RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
@@ -110,6 +112,28 @@ def item_size(item: dict) -> int:
     return 16 + sum(_text_size(k) + 2 + (_text_size(v) + 5 if isinstance(v, str) else 9) for k, v in item.items())
 
 
+def flat_size(item) -> int | None:
+    """:func:`item_size` of ``item`` if it is a flat dict of text keys and plain values (``str``, ``int``,
+    ``float``, ``bool``, ``None``: what every item dask-ddp makes is), else None. The worker's check: a value
+    of any other type (a list, a dict, bytes) would travel at a size :func:`item_size` does not count."""
+    if type(item) is not dict:
+        return None
+    size = 16
+    for key, value in item.items():
+        if type(key) is not str:
+            return None
+        if type(value) is str:
+            size += _text_size(key) + _text_size(value) + 7
+        elif value is None or type(value) in _NUMBERS:
+            size += _text_size(key) + 11
+        else:
+            return None
+    return size
+
+
+_NUMBERS = (int, float, bool)
+
+
 def _text_size(text: str) -> int:
     """At least the UTF-8 size of ``text`` (4 bytes a character unless it is ASCII)."""
     return len(text) if text.isascii() else 4 * len(text)
@@ -151,6 +175,8 @@ DROP_REASONS = {
     "size": "a report of more than {report_bytes} bytes (ddp.events.max-report-bytes)",
     "keys": "a report of more than {report_keys} keys (ddp.events.max-report-keys)",
     "key-length": "a metric name longer than {key_length} characters (ddp.events.max-key-length)",
+    "count": "more than {control_items} small items (telemetry, counts) in one flush interval",
+    "shape": "an item that is not a flat dict of plain values (text, numbers, booleans, None)",
 }
 
 
@@ -159,10 +185,12 @@ class EventLimits:
     """What one rank may send to the notebook: the ``ddp.events.max-*`` settings, read on the client.
 
     A report over ``report_keys`` keys, with a name over ``key_length`` characters or over ``report_bytes``
-    bytes (:func:`item_size`) is dropped whole; so is any report or log record past ``interval_bytes`` in
-    one flush interval (the rank checks, and the rank's worker checks again, reports and output lines
-    together, with twice the budget). One rank batch is at most ``batch_bytes``. The scheduler holds the
-    last 1,000 events of a job's topic: at most about ``1000 * batch_bytes`` a job.
+    bytes (:func:`item_size`) is dropped whole. A rank's bytes are paced (:class:`Budget`): up to
+    :attr:`burst_bytes` at once, then ``interval_bytes`` a flush interval; ``report()`` waits for room, a log
+    record past it is dropped. The rank's worker checks again, with twice the rank's budget for what the
+    rank sends and a budget of ``interval_bytes`` a flush interval for its output lines. One rank batch is at
+    most ``batch_bytes``. The scheduler holds the last 1,000 events of a job's topic: at most about
+    ``1000 * batch_bytes`` a job.
     """
 
     batch_bytes: int = 65536
@@ -170,6 +198,13 @@ class EventLimits:
     report_bytes: int = 16384
     report_keys: int = 256
     key_length: int = 256
+    control_items: int = 32  # telemetry items, drop counts and waits one rank may send per flush interval
+    control_bytes: int = 2048  # one such item
+
+    @property
+    def burst_bytes(self) -> int:
+        """What a rank may send at once, before its budget paces it: four flush intervals' worth."""
+        return 4 * self.interval_bytes
 
     def why(self, reason: str) -> str:
         """The text of a drop reason, with this limit's value."""
@@ -186,8 +221,61 @@ class EventLimits:
         return None
 
 
+class Budget:
+    """A token bucket of bytes: up to ``burst`` at once, refilled at ``rate`` bytes a second (``inf``: no bound).
+
+    Two counters that only grow, ``used`` (bytes taken) and ``granted`` (bytes that may be taken so far), so
+    that the fast path of a caller in a hurry (``report()``) is one comparison, ``used + size <= granted``,
+    and one addition, without a call or a clock; only when that fails does :meth:`take` or :meth:`reserve`
+    read the clock and refill. Not locked: the rank serialises its slow path, the worker calls it under the
+    relay's lock; an addition lost to a race on the fast path lets a few bytes more through, which the
+    worker's twice-as-large budget absorbs.
+    """
+
+    def __init__(self, rate: float, burst: float, clock=time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.used, self.granted = 0, burst
+        self._refilled = clock()
+
+    @classmethod
+    def per_interval(cls, per_interval: int, interval: float, burst: float, clock=time.monotonic) -> "Budget":
+        """``per_interval`` bytes every ``interval`` seconds, ``burst`` at once (an interval of 0: no bound)."""
+        return cls(per_interval / interval if interval > 0 else float("inf"), burst, clock)
+
+    def refill(self) -> None:
+        """Add what the time since the last refill earned, up to ``burst`` unspent."""
+        now = self.clock()
+        earned = self.burst if self.rate == float("inf") else (now - self._refilled) * self.rate
+        self.granted = min(self.used + self.burst, self.granted + earned)
+        self._refilled = now
+
+    def take(self, size: int) -> bool:
+        """Take ``size`` bytes if the bucket holds them now; False (nothing taken) if it does not."""
+        if self.used + size > self.granted:
+            self.refill()
+            if self.used + size > self.granted:
+                return False
+        self.used += size
+        return True
+
+    def reserve(self, size: int) -> float:
+        """Take ``size`` bytes, in debt if need be; the seconds until the bucket will have earned them (0 when it
+        held them): the caller waits that long before it sends, and the next caller's debt comes after it."""
+        self.refill()
+        self.used += size
+        debt = self.used - self.granted
+        return debt / self.rate if debt > 0 else 0.0
+
+
 def dropped_item(rank: int, attempt: int, what: str, reason: str, count: int) -> dict:
     """The item that tells the client ``count`` reports (``what="report"``) or output lines (``"line"``) of
     ``rank`` were dropped for ``reason`` (a key of :data:`DROP_REASONS`)."""
     return {"kind": "dropped", "rank": rank, "attempt": attempt, "time": time.time(), "what": what,
             "reason": reason, "count": int(count)}
+
+
+def throttled_item(rank: int, attempt: int, seconds: float, calls: int) -> dict:
+    """The item that tells the client ``calls`` reports of ``rank`` waited ``seconds`` in all for room in the
+    rank's budget (none was dropped: :class:`Budget`)."""
+    return {"kind": "throttled", "rank": rank, "attempt": attempt, "time": time.time(), "seconds": float(seconds),
+            "calls": int(calls)}
