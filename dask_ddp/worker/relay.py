@@ -6,7 +6,8 @@ scheduler, :func:`on_scheduler` wherever a client calls it (the worker's or the 
 :class:`Relay` publishes one event per batch (the format of
 :mod:`dask_ddp.wire.events`, items packed as bytes) on the job's topic, at most
 ``ddp.events.max-batch-bytes`` each: a batch of reports from the rank at once
-(the rank sends one at most every ``ddp.events.flush-interval``), with any
+(the rank sends one at most every ``ddp.events.flush-interval``; the relay
+publishes at most one a tick, 0.1 s, whatever the rank's code sends), with any
 output lines gathered meanwhile; output lines alone at the same pace. Each batch
 costs about 2 ms of CPU across the rank, worker, scheduler and client, whatever
 its size, so batches are few (``benchmarks/RESULTS_report_cpu.md``); in a job
@@ -15,10 +16,11 @@ that aggregates per host the relay hands its batches to the host's hub instead
 The client reads them with :class:`dask_ddp.client.events.TopicFeed`.
 
 The relay is where the scheduler is protected from whatever the rank's code
-does (it could bypass ``report()``): reports and output lines past twice the
-rank's byte budget per interval (``ddp.events.max-bytes-per-interval``), and
-any report over ``max-report-bytes``, are dropped here and counted in a
-``"dropped"`` item of the next batch.
+does (it could bypass ``report()`` and write any item to its event pipe): its
+:class:`Gate` counts every item, of every kind, and drops what passes its
+bounds, counted in a ``"dropped"`` item of the next batch. An honest rank's
+reports are never dropped here: its own budget paces them within what the gate
+allows (see :class:`Gate` for the one case where they could be).
 """
 
 from __future__ import annotations
@@ -29,15 +31,99 @@ import time
 
 import dask
 
-from dask_ddp.wire.events import EventLimits, chunked, clip_line, dropped_item, item_size, pack_items
+from dask_ddp.wire.events import (
+    MAX_LINE,
+    Budget,
+    EventLimits,
+    chunked,
+    clip_line,
+    dropped_item,
+    flat_size,
+    item_size,
+    pack_items,
+)
 from dask_ddp.worker.hub import forward
 
-__all__ = ["Relay", "drop_topic", "on_scheduler"]
+__all__ = ["Relay", "Gate", "drop_topic", "on_scheduler"]
 
 logger = logging.getLogger("dask_ddp")
 
 TICK = 0.1  # seconds between the relay's looks at what is queued
 SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort call to the scheduler may take (a job's end waits for it)
+CONTROL = frozenset({"telemetry", "dropped", "throttled"})  # small items the job relies on: bounded by count
+LINE_BYTES = 4 * MAX_LINE + 1024  # one log record at most (clip_line's cut, 4 bytes a character, its fields)
+
+
+class Gate:
+    """What the worker lets through of one rank's events: every item counts, whatever its kind.
+
+    - What the rank sends through its event pipe (reports, log records, items of any other kind): a token
+      bucket of twice the rank's burst, refilled at the rank's rate (``max-bytes-per-interval`` a flush
+      interval). The rank's own bucket (:class:`~dask_ddp.wire.events.Budget`) paces ``report()`` to at most
+      one burst plus that rate, so an honest rank passes whole as long as its batches reach the worker within
+      four intervals of being made. A report over ``max-report-bytes`` (+256 for its stamp), a log record over
+      :data:`LINE_BYTES`, any other item over ``max-report-bytes`` is dropped whole.
+    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits) pass beside that
+      budget, at most ``control_items`` per interval of at most ``control_bytes`` each.
+    - Output lines (the rank's stdout and stderr, from :class:`~dask_ddp.worker.pump.OutputPump`): a budget of
+      their own, ``max-bytes-per-interval`` a flush interval (two at once), so that a rank that prints much
+      never costs it a report.
+    - Anything that is not a flat dict of plain values (:func:`~dask_ddp.wire.events.flat_size`) is dropped.
+
+    So one rank costs the scheduler at most about two budgets a flush interval, plus ``control_items *
+    control_bytes``, plus its bursts. Not thread-safe: the :class:`Relay` calls it under its lock.
+    """
+
+    def __init__(self, limits: EventLimits, interval: float, clock=time.monotonic):
+        self.limits, self.interval, self.clock = limits, interval, clock
+        self.pipe = Budget.per_interval(limits.interval_bytes, interval, 2 * limits.burst_bytes, clock)
+        self.lines = Budget.per_interval(limits.interval_bytes, interval, 2 * limits.interval_bytes, clock)
+        self.dropped: dict[tuple[str, str], int] = {}  # (what, reason) -> count, not yet reported
+        self._window, self._control = float("-inf"), 0  # the current interval's start, control items in it
+
+    def admit(self, items: list) -> list[dict]:
+        """The items of ``items`` that pass, in order; the others are counted in :attr:`dropped`."""
+        return [item for item in items if self._passes(item)]
+
+    def line(self, item: dict) -> bool:
+        """Whether one output line (made by the relay: flat) passes the lines' budget; else it is counted."""
+        if self.lines.take(item_size(item)):
+            return True
+        self._count("line", "rate")
+        return False
+
+    def take_dropped(self) -> dict[tuple[str, str], int]:
+        """What was dropped since the last call, ``(what, reason) -> count``."""
+        dropped, self.dropped = self.dropped, {}
+        return dropped
+
+    def _passes(self, item) -> bool:
+        kind = item.get("kind") if type(item) is dict else None
+        what = "report" if kind == "metric" else "line" if kind == "log" else "item"
+        size = flat_size(item)
+        if size is None:
+            return self._count(what, "shape")
+        if kind in CONTROL:
+            return self._control_passes(size)
+        cap = LINE_BYTES if kind == "log" else self.limits.report_bytes + (256 if kind == "metric" else 0)
+        if size > cap:
+            return self._count(what, "size")
+        return self.pipe.take(size) or self._count(what, "rate")
+
+    def _control_passes(self, size: int) -> bool:
+        if size > self.limits.control_bytes:
+            return self._count("item", "size")
+        now = self.clock()
+        if now - self._window >= self.interval:
+            self._window, self._control = now, 0
+        if self._control >= self.limits.control_items:
+            return self._count("item", "count")
+        self._control += 1
+        return True
+
+    def _count(self, what: str, reason: str) -> bool:
+        self.dropped[what, reason] = self.dropped.get((what, reason), 0) + 1
+        return False
 
 
 class Relay:
@@ -58,22 +144,31 @@ class Relay:
         self.limits = EventLimits() if limits is None else limits
         self.max_bytes = self.limits.batch_bytes
         self._published = float("-inf")
-        self._window, self._used = float("-inf"), 0  # the current interval's start and the bytes passed in it
-        self._dropped: dict[tuple[str, str], int] = {}  # (what, reason) -> count, not yet reported
+        self.gate = Gate(self.limits, self.interval)  # guarded by _lock: what is queued has passed it
+        self._urgent = False  # the rank sent a batch that waits for the relay's thread to publish it
 
     def log(self, stream: str, line: str) -> None:
-        self.extend([{"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
-                      "stream": stream, "line": clip_line(line)}])
+        """Queue one output line of the rank (if its budget passes it)."""
+        item = {"kind": "log", "rank": self.rank, "attempt": self.attempt, "time": time.time(), "stream": stream,
+                "line": clip_line(line)}
+        with self._lock:
+            if self.gate.line(item):
+                self._items.append(item)
 
     def extend(self, items: list[dict], now: bool = False) -> None:
-        """Queue ``items``; ``now``: publish them (and the lines queued before) at once, as one batch; through a
-        hub, hand them to it from the relay's thread at once (the hub publishes them on its own schedule)."""
+        """Queue what of ``items`` (sent by the rank) passes the :class:`Gate`; ``now``: publish them (and the
+        lines queued before) at once, as one batch; through a hub, hand them to it from the relay's thread at
+        once (the hub publishes them on its own schedule)."""
         with self._lock:
-            self._items.extend(items)
+            self._items.extend(self.gate.admit(items))
         if now:
-            if self.via is None:
+            # a forward waits for the hub's publication: not in the caller's thread (the supervisor's); nor a
+            # publication within a tick of the last (a rank's code could send a batch a millisecond, and each
+            # event costs the scheduler the same whatever its size): the relay's thread publishes it a tick on
+            if self.via is None and time.monotonic() - self._published >= TICK:
                 self.flush()
-            else:  # a forward waits for the hub's publication: not in the caller's thread (the supervisor's)
+            else:
+                self._urgent = True
                 self._wake.set()
 
     def start(self) -> None:
@@ -84,48 +179,25 @@ class Relay:
         # Output lines go within a tick after a quiet spell, else with the next rank batch or an interval after
         # the last batch: a rank printing every step adds no more than one batch per interval
         while not self._stop.is_set():
-            woken = self._wake.wait(min(TICK, self.interval))
+            self._wake.wait(min(TICK, self.interval))
             self._wake.clear()
-            if not self._stop.is_set() and self._items and (woken or time.monotonic() - self._published
-                                                            >= self.interval):
+            since = time.monotonic() - self._published
+            if not self._stop.is_set() and (self._items or self.gate.dropped) and (
+                    since >= self.interval or self._urgent and since >= TICK):
                 self.flush(now=False)
 
     def flush(self, now: bool = True) -> None:
         """Publish what is queued (through the host's hub, if any; ``now``: it publishes at once too)."""
         with self._publish_lock:  # one publisher at a time keeps seq in order
+            self._urgent = False
             with self._lock:
                 items, self._items = self._items, []
-            items = self._within_budget(items)
+                dropped = self.gate.take_dropped()
+            items += [dropped_item(self.rank, self.attempt, what, reason, n) for (what, reason), n in dropped.items()]
             msgs = [self._message(batch) for batch in chunked(items, item_size, self.max_bytes)]
             if msgs:
                 self._published = time.monotonic()
                 self._publish(msgs, now)
-
-    def _within_budget(self, items: list[dict]) -> list[dict]:
-        """``items`` less the reports and lines past this interval's budget (twice the rank's: its reports and
-        its output lines share it) or over ``max-report-bytes``, with a ``"dropped"`` item per reason."""
-        now = time.monotonic()
-        if now - self._window >= self.interval:
-            self._window, self._used = now, 0
-        budget, kept = 2 * self.limits.interval_bytes, []
-        for item in items:
-            kind = item.get("kind")
-            if kind not in ("metric", "log"):  # telemetry, outcomes, dropped counts: small, always pass
-                kept.append(item)
-                continue
-            size, what = item_size(item), "report" if kind == "metric" else "line"
-            reason = ("size" if kind == "metric" and size > self.limits.report_bytes + 256 else
-                      "rate" if self._used + size > budget else None)
-            if reason is None:
-                self._used += size
-                kept.append(item)
-            else:
-                self._dropped[what, reason] = self._dropped.get((what, reason), 0) + 1
-        if self._dropped:
-            kept += [dropped_item(self.rank, self.attempt, what, reason, n)
-                     for (what, reason), n in self._dropped.items()]
-            self._dropped = {}
-        return kept
 
     def _message(self, batch: list[dict]) -> dict:
         self.seq += 1
