@@ -6,13 +6,17 @@ such an item in a real saved checkpoint: a ``torch.save`` pickle whose ``__reduc
 it is unpickled, the item's offset, length and CRC-32 updated in ``.metadata``. Every load path must refuse it
 with a ShardError naming the rank, the URL and the key, and the marker file must never appear: ``load_sharded``
 in a 2-rank gloo group, an elastic reshard (saved at 2 ranks, loaded at 3), ``read_sharded`` and
-``export_sharded`` in one process, and the ``dask-ddp export`` command.
+``export_sharded`` in one process, and the ``dask-ddp export`` command. A forged or stale commit marker of a newer
+step is skipped (with a warning) by an automatic resume, which loads the newest step that checks out.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -25,7 +29,7 @@ import torch.distributed.checkpoint.state_dict  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 
 import dask_ddp
-from dask_ddp.checkpoint import export_sharded, list_sharded, read_sharded
+from dask_ddp.checkpoint import CheckpointError, export_sharded, list_sharded, read_sharded
 from dask_ddp.data.dcp_storage import ShardError
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -223,3 +227,87 @@ def test_the_reader_refuses_a_planner_that_would_unpickle_unsafely(tmp_path):
         sharded_state.run_dcp(lambda: _load_state_dict({}, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
                                                        no_dist=True), "reading", 1)
     assert "dask_ddp.data.dcp_values" in str(err.value)
+
+
+# ---- finding 11: a forged or stale commit marker of a newer step ------------------------------------------
+
+@pytest.fixture
+def three_steps(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model = _build()
+    for step in (1, 2, 3):
+        dask_ddp.save_sharded({"model": model, "epoch": step}, step, directory=directory)
+    return directory
+
+
+def _resume(directory, step=None):
+    state = {"model": _build(9), "epoch": -1}
+    return dask_ddp.load_sharded(state, directory=directory, step=step), state["epoch"]
+
+
+def _skips(caplog, step) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f"sharded step {step} " in r.getMessage()
+            and "is skipped" in r.getMessage()]
+
+
+@pytest.fixture
+def caplog_ddp(caplog):
+    caplog.set_level(logging.WARNING, logger="dask_ddp.data.sharded_folder")
+    return caplog
+
+
+def test_a_forged_marker_of_a_newer_step_is_skipped_with_a_warning(three_steps, caplog_ddp):
+    root = os.path.join(three_steps, "sharded")
+    with open(os.path.join(root, "step-000000099-deadbeef.commit"), "w") as f:
+        f.write("{}")
+    assert _resume(three_steps) == (3, 3)
+    (text,) = _skips(caplog_ddp, 99)
+    assert "step-000000099-deadbeef" in text and "does not name its own step and folder" in text, text
+    assert read_sharded(three_steps)[0] == 3 and len(_skips(caplog_ddp, 99)) == 2
+    with pytest.raises(CheckpointError, match="does not name its own step and folder"):
+        _resume(three_steps, step=99)  # asked for by number: an error, not a fallback
+
+
+def test_a_folder_holding_only_a_forged_marker_resumes_from_nothing(tmp_path, caplog_ddp):
+    os.makedirs(tmp_path / "sharded")
+    (tmp_path / "sharded" / "step-000000007-deadbeef.commit").write_text('{"step": 7}')
+    assert _resume(str(tmp_path)) == (None, -1)  # as a folder with no step: the job starts from the beginning
+    assert len(_skips(caplog_ddp, 7)) == 1
+    with pytest.raises(FileNotFoundError, match="none that checks out"):
+        read_sharded(str(tmp_path))
+
+
+def test_a_marker_copied_onto_a_newer_step_or_left_by_a_deleted_folder_is_skipped(three_steps, caplog_ddp):
+    root = os.path.join(three_steps, "sharded")
+    newest = os.path.basename(_folder(three_steps, 3))
+    copy = "step-000000050-0badc0de"  # a real step's folder and marker copied under a newer number
+    shutil.copytree(os.path.join(root, newest), os.path.join(root, copy))
+    shutil.copy(os.path.join(root, f"{newest}.commit"), os.path.join(root, f"{copy}.commit"))
+    shutil.rmtree(os.path.join(root, newest))  # step 3's folder deleted by hand: its marker is stale
+    assert _resume(three_steps) == (2, 2)
+    assert "does not name its own step" in _skips(caplog_ddp, 50)[0]
+    assert ".metadata is missing" in _skips(caplog_ddp, 3)[0]
+    with pytest.raises(CheckpointError, match="is missing although step 3 is committed"):
+        _resume(three_steps, step=3)
+
+
+def test_metadata_naming_a_file_outside_its_folder_is_skipped(three_steps, caplog_ddp):
+    folder = _folder(three_steps, 3)
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        metadata = torch.load(f, weights_only=False)
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index] = ("../../../elsewhere", *metadata.storage_data[index][1:])
+    _write_metadata(path, metadata)
+    assert _resume(three_steps) == (2, 2)
+    assert "not shards of the folder" in _skips(caplog_ddp, 3)[0]
+
+
+def _forged_in_ranks(rank, world, directory):
+    return _resume(directory)
+
+
+def test_every_rank_of_a_job_falls_back_together(three_steps):
+    with open(os.path.join(three_steps, "sharded", "step-000000099-deadbeef.commit"), "w") as f:
+        json.dump({"step": 99, "folder": "step-000000099-deadbeef"}, f)  # a well-formed marker, no folder
+    assert run_ranks(2, _forged_in_ranks, three_steps) == [(3, 3), (3, 3)]

@@ -144,7 +144,9 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
     Arguments as in :func:`save_sharded`.
 
     Values that are not tensors are unpickled with ``weights_only=True`` only: a checkpoint cannot run code
-    in the ranks that load it, whoever wrote the folder.
+    in the ranks that load it, whoever wrote the folder. Without ``step``, a committed step whose commit
+    marker or ``.metadata`` does not check out (forged, or its folder deleted) is skipped with a warning
+    naming it and why, and the newest one that does is loaded.
 
     Raises
     ------
@@ -152,7 +154,7 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
         ``step`` is not committed there (the message lists those that are).
     CheckpointError
         The checkpoint was made with another model: missing or unexpected keys, or shapes that
-        differ (each named); or its metadata is unreadable.
+        differ (each named); or ``step``'s marker or metadata does not check out.
     ShardError
         A shard is missing or fails its CRC-32 check, or an item holds objects that ``weights_only=True``
         refuses (nothing of it ran); names the rank, the URL, the key and what to do.
@@ -166,11 +168,11 @@ def load_sharded(state: dict, *, directory: str | None = None, step: int | None 
     sharded_async.wait_previous()
     where = _ckpt._where(directory, storage_options)
     group = sharded_async.control_group()
-    found = sharded_state.on_rank_zero(lambda: _pick(where, step), group)
-    if found is None:
-        return None
-    with sharded_folder.lease(where, found) if where.rank == 0 else contextlib.nullcontext():
-        metadata = sharded_state.on_rank_zero(lambda: sharded_folder.read_metadata(where, found), group)
+    with contextlib.ExitStack() as leases:  # rank 0's reader's lease on the step, while every rank reads it
+        chosen = sharded_state.on_rank_zero(lambda: sharded_folder.choose(where, step, leases), group)
+        if chosen is None:
+            return None
+        found, metadata = chosen
         stream_state.add_slot(state, metadata)
         flat, extras = sharded_state.to_load(state)
         sharded_state.check_against(flat, extras, metadata, found.url)
@@ -195,16 +197,6 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _pick(where, step: int | None):
-    found = sharded_folder.committed(where)
-    if step is not None and step not in found:
-        return FileNotFoundError(f"no committed sharded step {step} in {sharded_folder.base(where)[1]}; committed: "
-                                 f"{sorted(found) or 'none'}")
-    if not found:
-        return None
-    return found[step if step is not None else max(found)]
 
 
 def list_sharded(directory: str | None = None, *, storage_options: dict | None = None) -> list:

@@ -15,6 +15,7 @@ and the other values as JSON in the file's metadata (``dask_ddp.values``).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
@@ -28,23 +29,25 @@ def read_sharded(directory: str, *, step: int | None = None, storage_options: di
     """Return ``(step, state)``: the whole state of a committed step (the newest by default) as nested dicts of
     CPU tensors and values, read in this one process.
 
+    As :func:`dask_ddp.load_sharded`, values that are not tensors are read with ``weights_only=True`` only, and
+    without ``step`` a step whose marker or metadata does not check out is skipped with a warning.
+
     Raises
     ------
     FileNotFoundError
-        No committed step there, or not ``step`` (the message lists those there are).
+        No committed step there (none that checks out), or not ``step`` (the message lists those there are).
     CheckpointError, ShardError, PermissionError
         As :func:`dask_ddp.load_sharded` (a ShardError for an item ``weights_only=True`` refuses).
     """
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     where = _ckpt._where(directory, storage_options)
-    found = sharded_folder.committed(where)
-    if not found or (step is not None and step not in found):
-        raise FileNotFoundError(f"no committed sharded step {'' if step is None else step} in "
-                                f"{sharded_folder.base(where)[1]}; committed: {sorted(found) or 'none'}")
-    chosen = found[max(found) if step is None else step]
-    with sharded_folder.lease(where, chosen):
-        metadata = sharded_folder.read_metadata(where, chosen)
+    with contextlib.ExitStack() as leases:
+        picked = sharded_folder.choose(where, step, leases)
+        if picked is None:
+            raise FileNotFoundError(f"no committed sharded step in {sharded_folder.base(where)[1]} (or none that "
+                                    "checks out: see the warnings)")
+        chosen, metadata = picked
         reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{chosen.folder}", chosen.url,
                                         metadata, options=where.options)
         state: dict = {}  # no_dist: this process alone, even inside a process group

@@ -18,6 +18,14 @@ them on the store with the size recorded, then ``.metadata`` and the manifest
 were written. One listing of ``sharded/`` finds every committed step. A crash
 at any point leaves an attempt folder without a marker: never read, and
 removed by a later pruning once older than the kept steps.
+
+A marker proves nothing on its own (whoever can write the folder can write
+one, and a folder deleted by hand leaves its marker behind): :func:`choose`,
+which picks the step a load reads, checks that the marker names its own step
+and folder and that the folder's ``.metadata`` reads (``weights_only=True``,
+its items' files inside the folder). A step that does not check out is skipped
+with a warning naming it and why, and the newest one that does is loaded; an
+explicit ``step=`` that does not check out raises.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import time
@@ -33,11 +42,15 @@ from typing import NamedTuple
 from dask_ddp.data import dcp_storage, storage
 from dask_ddp.data.checkpoint import CheckpointError, _Where
 
-__all__ = ["Step", "committed", "commit", "read_metadata", "prune", "lease", "SUBFOLDER", "LEASE_TTL"]
+__all__ = ["Step", "committed", "candidates", "choose", "verify", "commit", "read_metadata", "prune", "lease",
+           "SUBFOLDER", "LEASE_TTL"]
+
+logger = logging.getLogger(__name__)
 
 SUBFOLDER = "sharded"
 LEASE_TTL = 6 * 3600  # seconds after which a reader's lease is taken for a crash leftover
 _ENTRY = re.compile(r"^step-(\d{9,})-([0-9a-f]{8})(\.commit|\.lease-(\d+)-[0-9a-f]+)?$")
+_SHARD = re.compile(r"^[0-9a-f]{4}-rank-\d{5,}-\d{3,}\.distcp$")  # dcp_storage.file_name: never a path
 
 
 class Step(NamedTuple):
@@ -103,6 +116,78 @@ def committed(where: _Where, names: list[str] | None = None) -> dict[int, Step]:
     return dict(sorted(out.items()))
 
 
+def candidates(where: _Where) -> list[Step]:
+    """Every step with a commit marker, newest first (several attempts of one step: each, by name)."""
+    _, url = base(where)
+    found = []
+    for m in map(_ENTRY.match, _listing(where)):
+        if m and m[3] == ".commit":
+            folder = m[0][: -len(".commit")]
+            found.append(Step(int(m[1]), folder, f"{url}/{folder}"))
+    return sorted(found, reverse=True)
+
+
+def verify(where: _Where, found: Step):
+    """The DCP Metadata of ``found`` (as :func:`read_metadata`) once its marker names its own step and folder.
+
+    Raises
+    ------
+    CheckpointError
+        The marker is unreadable or names another step or folder (forged, or not ours), or ``.metadata``
+        is missing or unreadable (names the URL and why).
+    """
+    path, _ = base(where)
+    try:
+        raw = retried(where, lambda: where.fs.cat_file(f"{path}/{found.folder}.commit"), "reading it",
+                      f"{found.folder}.commit")
+        marker = json.loads(raw)
+    except FileNotFoundError:
+        raise CheckpointError(f"{found.url}.commit was removed while it was read (pruned by another job, or by "
+                              "hand): load another step=...", url=found.url) from None
+    except ValueError as exc:
+        marker = f"not JSON ({exc})"
+    if not isinstance(marker, dict) or marker.get("step") != found.step or marker.get("folder") != found.folder:
+        raise CheckpointError(f"the commit marker {found.url}.commit does not name its own step and folder (it holds "
+                              f"{str(marker)[:120]!r}): it was forged or written by something else; delete it, or "
+                              "load another step=...", url=found.url)
+    return read_metadata(where, found)
+
+
+def choose(where: _Where, step: int | None, leases: contextlib.ExitStack):
+    """``(Step, Metadata)`` of ``step`` (None: the newest step that checks out), with a reader's lease on it
+    entered into ``leases``; None when no step checks out (or there is none) and ``step`` is None.
+
+    A step that does not check out (:func:`verify`) is skipped with a warning naming it and why.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``step`` has no commit marker (the message lists the committed steps).
+    CheckpointError
+        No attempt of ``step`` checks out (the last one's reason).
+    """
+    found = candidates(where)
+    tried = [s for s in found if step is None or s.step == step]
+    if step is not None and not tried:
+        raise FileNotFoundError(f"no committed sharded step {step} in {base(where)[1]}; committed: "
+                                f"{sorted({s.step for s in found}) or 'none'}")
+    for i, candidate in enumerate(tried):
+        held = contextlib.ExitStack()
+        held.enter_context(lease(where, candidate))
+        try:
+            metadata = verify(where, candidate)
+        except CheckpointError as exc:
+            held.close()
+            if step is not None and i == len(tried) - 1:
+                raise
+            logger.warning("dask-ddp: sharded step %d (%s) is skipped: it does not check out: %s; trying the next "
+                           "newest committed step", candidate.step, candidate.url, exc)
+            continue
+        leases.enter_context(held)
+        return candidate, metadata
+    return None
+
+
 def _put(where: _Where, path: str, data: bytes, point: str) -> None:
     dcp_storage.fault(point, path=path)
     if storage.is_local(where.fs):
@@ -164,6 +249,7 @@ def read_metadata(where: _Where, found: Step):
         ``.metadata`` is missing or cannot be read (names the URL and what to do).
     """
     import torch
+    from torch.distributed.checkpoint.metadata import Metadata
 
     path, _ = base(where)
     name = f"{path}/{found.folder}/.metadata"
@@ -171,6 +257,14 @@ def read_metadata(where: _Where, found: Step):
         data = retried(where, lambda: where.fs.cat_file(name), "reading it", f"{found.folder}/.metadata")
         with torch.serialization.safe_globals(_safe_types()):
             metadata = torch.load(io.BytesIO(data), weights_only=True)
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        metadata.storage_data = {index: dcp_storage.Item(file, offset, length, dtype, tuple(shape), crc) for index,
+                                 (file, offset, length, dtype, shape, crc) in metadata.storage_data.items()}
+        outside = sorted({str(it.file)[:80] for it in metadata.storage_data.values()
+                          if not _SHARD.match(str(it.file))})
+        if outside:
+            raise ValueError(f"its items name files that are not shards of the folder: {outside[:3]}")
     except FileNotFoundError:
         raise CheckpointError(f"{found.url}/.metadata is missing although step {found.step} is committed: it was "
                               "deleted (by hand, or pruning by another job); load another step=...",
@@ -178,10 +272,9 @@ def read_metadata(where: _Where, found: Step):
     except Exception as exc:  # noqa: BLE001 - named and re-raised
         if isinstance(exc, PermissionError):
             raise
-        raise CheckpointError(f"cannot read {found.url}/.metadata: {type(exc).__name__}: {exc}; it is corrupt or "
-                              "not a dask-ddp sharded checkpoint: load another step=...", url=found.url) from None
-    metadata.storage_data = {index: dcp_storage.Item(file, offset, length, dtype, tuple(shape), crc)
-                             for index, (file, offset, length, dtype, shape, crc) in metadata.storage_data.items()}
+        raise CheckpointError(f"cannot read {found.url}/.metadata: {type(exc).__name__}: {str(exc)[:300]}; it is "
+                              "corrupt or not a dask-ddp sharded checkpoint: load another step=...",
+                              url=found.url) from None
     return metadata
 
 
