@@ -1,6 +1,7 @@
 """Runs in: the user's shell: ``dask-ddp export``, a sharded checkpoint as one ``torch.save`` or safetensors file.
 
-One process reads every shard of a committed step (checking each CRC-32) and
+One process reads every shard of a committed step (checking each CRC-32; values that are not tensors only
+with torch.load(weights_only=True): a checkpoint holding anything else is refused, nothing in it runs) and
 writes one file, e.g. for serving or for a tool that knows nothing of DCP::
 
     dask-ddp export s3://bucket/ckpt/train-1a2b3c4d model.pt
