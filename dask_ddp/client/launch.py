@@ -101,7 +101,9 @@ def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> l
         return {"flush_interval": spec.flush_interval, "via": via, "hub_interval": hub_interval}
 
     secret = secrets.token_hex(16)  # the attempt's store keys: see RankTask.secret
-    return [RankTask(run_id=run_id, attempt=attempt, secret=secret, rank=r, master_addr=plan.master_addr,
+    key = secrets.token_bytes(32)  # the attempt's HMAC key for what its ranks trust in the store: RankTask.signing_key
+    return [RankTask(run_id=run_id, attempt=attempt, secret=secret, signing_key=key, rank=r,
+                     master_addr=plan.master_addr,
                      backend=spec.backend,
                      call=spec.call, timeout=spec.timeout, rendezvous_timeout=spec.rendezvous_timeout,
                      spawn_timeout=spec.spawn_timeout, poll_interval=spec.poll_interval, **events(r.rank),

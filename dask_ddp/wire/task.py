@@ -50,9 +50,14 @@ class RankTask:
     spare_early: bool = False
     # the next job's rank is forked as this one starts and starts CUDA meanwhile (ddp.warm-cuda; sweeps' trials)
     warm_cuda: bool = False
-    # the attempt's store keys live under dask_ddp/<secret>/: only its ranks (and supervisors) know them, so a
-    # process that can reach the store cannot forge a preemption notice (see :attr:`store_prefix`)
+    # the attempt's store keys live under dask_ddp/<secret>/ (see :attr:`store_prefix`): it keeps attempts and
+    # other users of a store apart, but it is no secret from whoever reaches the store (TCPStore.list_keys()
+    # lists every key); what keeps a preemption notice from being forged is signing_key
     secret: str = field(default="", repr=False)
+    # the attempt's random HMAC key (wire.notices.Seal): every value of the preemption protocol in the store is
+    # signed with it and checked on read. It travels only inside this task (over TLS where the cluster uses it)
+    # and to the rank process over its private socket, never to the store; empty: the rank draws its own (alone)
+    signing_key: bytes = field(default=b"", repr=False)
 
     @property
     def attempt_id(self) -> str:
