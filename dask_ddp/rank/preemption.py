@@ -3,9 +3,13 @@
 Runs in: the rank process. A notice reaches a rank three ways: its supervisor
 sends :class:`~dask_ddp.wire.messages.Notice` (its worker is closing, or the job
 grows), the rank process gets SIGTERM itself, or a peer announced one in the
-job's rendezvous store (each rank has a watcher thread blocked on that key, on
-a store connection of its own). The notice sets one module flag; ``report()``
-checks it (its only cost before a notice) and then, at each report:
+job's rendezvous store (each rank has a watcher thread blocked on its queue of
+notices there, on a store connection of its own). What crosses the store is
+signed with the attempt's key and checked on read
+(:mod:`dask_ddp.rank.notice_board`): a notice or step written by anyone else
+who reaches the store is ignored, and counted in ``job.history``. The notice
+sets one module flag; ``report()`` checks it (its only cost before a notice)
+and then, at each report:
 
 1. posts the step it is at under ``dask_ddp/pre/seen/<rank>``, once;
 2. once every rank has posted, takes ``M`` = the largest posted step: every
@@ -34,13 +38,12 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from dask_ddp.data.checkpoint import save_checkpoint
-from dask_ddp.wire.notices import Notice, Stopped, grace_period
+from dask_ddp.rank.notice_board import END, KEY, Forgeries, NoticeBoard
+from dask_ddp.wire.notices import Notice, Seal, Stopped, grace_period
 
-__all__ = ["Preempted", "preempted", "on_preemption", "grace_period"]
+__all__ = ["Preempted", "preempted", "on_preemption", "grace_period", "KEY", "END"]
 
-KEY = "dask_ddp/pre/"
 _FOREVER = timedelta(days=7)  # a watcher's wait: a timed-out wait logs warnings, so wait long
-END = "end"  # the notice key's value once every rank has finished: the watchers return
 
 
 class Preempted(BaseException):
@@ -66,8 +69,11 @@ class Preempted(BaseException):
 class _Rank:
     """This rank's side of the protocol: its store, its notice, where it stands."""
 
-    def __init__(self, store, rank: int, world_size: int, send: Callable, grace: float):
+    def __init__(self, store, rank: int, world_size: int, send: Callable, grace: float, seal: Seal,
+                 forgeries: Forgeries):
         self.store, self.rank, self.world_size, self.send, self.grace = store, rank, world_size, send, grace
+        self.seal, self.forgeries = seal, forgeries
+        self.board = NoticeBoard(store, seal, rank, world_size, forgeries)
         self.notice: Notice | None = None
         self.heard = 0.0  # time.time() the notice reached this rank
         self.posted = False
@@ -138,16 +144,26 @@ def can_save() -> bool:
 
 # ---- the rank process's side -------------------------------------------------------------------------
 def start(store, master_addr: str, port: int, rank: int, world_size: int, send: Callable, grace: float,
-          worker: str = "", prefix: str = "", ending: Callable[[], bool] = lambda: False) -> None:
-    """Set up this rank (in its main thread): the SIGTERM handler and the watcher of the store's notice key.
+          worker: str = "", prefix: str = "", ending: Callable[[], bool] = lambda: False, key: bytes = b"",
+          attempt: int = 0) -> None:
+    """Set up this rank (in its main thread): the SIGTERM handler and the watcher of its queue of notices.
 
-    ``store``: the job's store under the attempt's secret ``prefix`` (the watcher opens its own connection to
-    ``master_addr:port`` and uses the same prefix). A SIGTERM is a notice unless ``ending()``: the rank's
-    supervisor ends it on purpose (a cancel, a stop: it hangs up first) or it ends itself; then, as in a
-    DataLoader worker or code that cannot save, it dies.
+    ``store``: the job's store under the attempt's ``prefix`` (the watcher opens its own connection to
+    ``master_addr:port`` and uses the same prefix). ``key``: the attempt's signing key
+    (:attr:`~dask_ddp.wire.task.RankTask.signing_key`), the same in every rank; empty, this rank draws its own
+    (a rank alone, as in tests). A SIGTERM is a notice unless ``ending()``: the rank's supervisor ends it on
+    purpose (a cancel, a stop: it hangs up first) or it ends itself; then, as in a DataLoader worker or code
+    that cannot save, it dies.
+
+    Raises
+    ------
+    ValueError
+        ``key`` is neither empty nor 16 bytes or more.
     """
     global _RANK
-    _RANK = _Rank(store, rank, world_size, send, grace)
+    seal = Seal(key or os.urandom(32))
+    forgeries = Forgeries(rank, attempt, send)
+    _RANK = _Rank(store, rank, world_size, send, grace, seal, forgeries)
     owner = os.getpid()
 
     def on_sigterm(signum, frame):
@@ -166,7 +182,7 @@ def start(store, master_addr: str, port: int, rank: int, world_size: int, send: 
                             after_in_child=_default_sigterm_in_child)
     _ON_SIGTERM = on_sigterm
     signal.signal(signal.SIGTERM, on_sigterm)
-    _WATCHER = threading.Thread(target=_watch, args=(master_addr, port, prefix), name="dask-ddp-notice",
+    _WATCHER = threading.Thread(target=_watch, args=(master_addr, port, prefix, _RANK), name="dask-ddp-notice",
                                 daemon=True)
     _WATCHER.start()
     if _EARLY is not None:
@@ -207,19 +223,17 @@ def _default_sigterm_in_child() -> None:
     _unblock_sigterm()
 
 
-def _watch(master_addr: str, port: int, prefix: str = "") -> None:
+def _watch(master_addr: str, port: int, prefix: str, st: _Rank) -> None:
+    """The watcher thread: wait on this rank's queue for the first genuine notice (or the job's end)."""
     import torch.distributed as dist
 
     try:
         own = dist.TCPStore(master_addr, port, is_master=False, timeout=_FOREVER)
         if prefix:
             own = dist.PrefixStore(prefix, own)
-        own.wait([KEY + "notice"], _FOREVER)
-        value = own.get(KEY + "notice").decode()
-        if value == END:
-            own.add(KEY + "released", 1)
-            return
-        _heard(Notice.from_json(value))
+        note = NoticeBoard(own, st.seal, st.rank, st.world_size, st.forgeries).next_notice()
+        if note is not None:
+            _heard(note)
     except Exception:  # noqa: BLE001 - the store closed: the job ended
         return
 
@@ -227,18 +241,22 @@ def _watch(master_addr: str, port: int, prefix: str = "") -> None:
 def release(store, rank: int, world_size: int, wait: float = 2.0) -> None:
     """At the end of a job whose ranks all returned (after the ``done`` count): let the notice watchers go.
 
-    A watcher blocks in a store ``wait``; if rank 0 closed the store under it, torch would print a warning
-    with a C++ stack trace into the rank's output. So rank 0 sets the notice key to :data:`END` (unless a real
-    notice is there: the watchers have returned already), which wakes every watcher, and waits up to ``wait``
-    seconds until they all said so; the other ranks wait for their own watcher as long.
+    A watcher blocks in a store wait; if rank 0 closed the store under it, torch would print a warning with a
+    C++ stack trace into the rank's output. So each rank puts :data:`END` in its own queue (signed: no forged
+    end sends a watcher away early), waits up to ``wait`` seconds for its watcher to return and counts itself
+    ``released``; rank 0 waits as long for every rank's count. The forged values counted but not yet told
+    go to the job now, before the rank's outcome.
     """
+    st = _RANK
     try:
+        if st is not None:
+            st.forgeries.flush()
+            if _WATCHER is not None and _WATCHER.is_alive():
+                st.board.end()
+                _WATCHER.join(wait)
+        store.add(KEY + "released", 1)
         if rank == 0:
-            if store.compare_set(KEY + "notice", "", END).decode() != END:
-                return
             _wait_count(store, KEY + "released", world_size, time.time() + wait)
-        elif _WATCHER is not None:
-            _WATCHER.join(wait)
     except Exception:  # noqa: BLE001 - the store is gone: nothing is left to wait for
         return
 
@@ -254,7 +272,7 @@ def announce(note: Notice, thread: bool = False) -> None:
         return
     note = _clamped(note, _RANK.grace)
     try:
-        _RANK.store.compare_set(KEY + "notice", "", note.to_json())  # the first notice wins
+        _RANK.board.publish(note)  # to every rank's queue, signed; the first notice wins
     except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
         pass
     _heard(note)
@@ -294,12 +312,12 @@ def at_report(step: int) -> None:
         raise st.due
     if st.stop_after is None:
         if not st.posted:
-            st.store.set(f"{KEY}seen/{st.rank}", str(step))
-            st.store.add(KEY + "seen", 1)
+            st.board.post("seen", step)
             st.posted, st.times["posted"] = True, time.time()
-        if int(st.store.add(KEY + "seen", 0)) < st.world_size:
+        steps = st.board.posted("seen")  # None until every rank posted a step signed with the attempt's key
+        if steps is None:
             return
-        st.stop_after = max(int(st.store.get(f"{KEY}seen/{r}")) for r in range(st.world_size))
+        st.stop_after = max(map(int, steps))
         st.times["agreed"] = time.time()
     if step > st.stop_after:
         _stop_at(st, step)
@@ -337,6 +355,8 @@ def stopped(exc: Preempted) -> Stopped:
     st = _RANK
     done = time.time()
     committed = _barrier(st, exc.deadline) if st is not None else False
+    if st is not None:
+        st.forgeries.flush()
     phases = tuple((k, round(v - st.heard, 4)) for k, v in st.times.items()) if st is not None else ()
     note = (st.notice if st is not None else None) or Notice(exc.deadline, exc.cause)
     started = getattr(exc, "started", done)
@@ -349,10 +369,10 @@ def stopped(exc: Preempted) -> Stopped:
 def _barrier(st: _Rank, deadline: float) -> bool:
     """Every rank has stopped at the agreed step (rank 0's store closing means it saw them all)."""
     try:
-        st.store.add(KEY + "stopped", 1)
+        st.board.post("stopped", 1)
         st.times["stopped"] = time.time()
         while time.time() < deadline:
-            if int(st.store.add(KEY + "stopped", 0)) >= st.world_size:
+            if st.board.posted("stopped") is not None:  # every rank's own signed mark, not a count anyone can add to
                 st.times["all_stopped"] = time.time()
                 st.store.add(KEY + "left", 1)
                 if st.rank == 0:  # it hosts the store: it stays until the others have seen the count

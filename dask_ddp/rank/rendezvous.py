@@ -77,7 +77,8 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
         warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
     join(keys, spec.world_size)
     preemption.start(keys, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
-                     preemption.grace_period(), spec.address, prefix=task.store_prefix, ending=ending)
+                     preemption.grace_period(), spec.address, prefix=task.store_prefix, ending=ending,
+                     key=task.signing_key, attempt=task.attempt)
     return Joined(store, keys, backend, device, device_ids)
 
 
