@@ -214,6 +214,54 @@ def test_state_keeps_the_last_jobs_and_drops_ended_ones_first():
     assert list(state.jobs) == ["j0", "j2"]
 
 
+def test_the_sweeps_table_shows_what_a_sweep_sends_as_text():
+    """A sweep's name and state (a dask-ddp-jobs message anyone can log) are text in the sweeps table's HTML."""
+    from dask_ddp.dashboard.page import DDPPage, sweeps_html
+
+    state = DashboardState()
+    assert state.feed(JOBS_TOPIC, {"kind": "sweep", "sweep": HOSTILE_NAME, "state": "<script>alert(5)</script>",
+                                   "time": time.time(), "n_trials": 4, "trials": {"RUNNING": 1}, "busy": 1, "room": 2,
+                                   "occupancy": 0.5})
+    html = sweeps_html(list(state.sweeps.values()))
+    assert html_tags(html) <= {"h4", "table", "tr", "th", "td"}, html
+    assert "&lt;script&gt;alert(5)&lt;/script&gt;" in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+    page = DDPPage(state)
+    page.update()
+    assert page.sweeps.text == html
+
+
+def test_the_page_keeps_only_the_ranks_of_a_jobs_plan_and_counts_the_others():
+    """Rank code can send items with any rank number: the page keeps the ranks of the job's plan (the controller's
+    message lists them), at most MAX_UNPLANNED before a plan was heard and MAX_RANKS whatever a message says."""
+    from dask_ddp.dashboard.page import DDPPage
+    from dask_ddp.dashboard.state import MAX_RANKS, MAX_UNPLANNED
+
+    state = DashboardState()
+    run_id = "fit-0a1b2c3d"
+    assert state.feed(JOBS_TOPIC, {"kind": "job", "run": run_id, "name": "fit", "state": "RUNNING", "attempt": 0,
+                                   "time": time.time(), "ranks": [{"rank": 0}, {"rank": 1}]})
+    forged = [telemetry(r, 1, 0.1) for r in range(5000)] + [{"kind": "metric", "rank": 4999, "step": 3}]
+    state.feed(*batch(run_id, 1, *forged, {"kind": "dropped", "rank": -3, "count": 7}))
+    state.feed(JOBS_TOPIC, {"kind": "straggler", "run": run_id, "rank": 77, "cause": "compute", "time": time.time()})
+    job = state.jobs[run_id]
+    assert sorted(job.ranks) == [0, 1] and job.world == 2
+    assert job.ignored == 4998 + 1 + 1 + 1 and job.dropped == 0
+    page = DDPPage(state)
+    page.update()
+    assert "5001 items about ranks outside the job's plan (2 ranks) were ignored" in page.detail.text
+
+    unplanned = "odd-0a1b2c3d"  # no plan heard (yet): a bound of its own
+    state.feed(*batch(unplanned, 0, *[telemetry(r, 1, 0.1) for r in range(1000)]))
+    assert len(state.jobs[unplanned].ranks) == MAX_UNPLANNED
+    state.feed(JOBS_TOPIC, {"kind": "job", "run": unplanned, "name": "odd", "state": "RUNNING", "attempt": 0,
+                            "time": time.time(), "ranks": [{"rank": r} for r in range(3)]})
+    assert sorted(state.jobs[unplanned].ranks) == [0, 1, 2]  # the plan came: the others go
+    huge = "huge-0a1b2c3d"  # a message that lists more ranks than any job has
+    state.feed(JOBS_TOPIC, {"kind": "job", "run": huge, "name": "huge", "state": "RUNNING", "attempt": 0,
+                            "time": time.time(), "ranks": [{"rank": r} for r in range(MAX_RANKS + 5000)]})
+    assert len(state.jobs[huge].ranks) == MAX_RANKS
+
+
 def test_publish_never_raises_and_needs_a_running_client():
     class Closed:
         status = "closed"
@@ -342,6 +390,63 @@ def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
     states = client.run_on_scheduler(lambda dask_scheduler: {
         run_id: j.state for run_id, j in dask_scheduler.plugins[NAME].state.jobs.items()})
     assert states[job.run_id] == "FINISHED"
+
+
+DIES = """
+import sys, time
+from dask.distributed import Client
+import dask_ddp
+
+def forever():
+    for step in range(1_000_000):
+        dask_ddp.report(loss=1.0, step=step)
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    client = Client(sys.argv[1])
+    job = dask_ddp.dispatch.run(client, forever, name="orphan", progress=False)
+    while not len(job.metrics):
+        time.sleep(0.05)
+    print(job.run_id, flush=True)
+    time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_clients_job_topic_leaves_the_scheduler(client, tmp_path):
+    """A notebook killed while its job runs never drops its job's event topic: the scheduler's dashboard plugin
+    drops it when the scheduler removes the client (no other client follows it), and shows the job ended."""
+    import subprocess
+    import sys
+
+    from _cluster import no_running_ranks
+
+    def topics(dask_scheduler=None):
+        return [t for t in dask_scheduler._broker._topics if t.startswith("dask-ddp-") and t != "dask-ddp-jobs"]
+
+    def state_of(run_id, dask_scheduler=None):
+        job = dask_scheduler.plugins["dask-ddp-dashboard"].state.jobs.get(run_id)
+        return None if job is None else job.state
+
+    script = tmp_path / "notebook.py"
+    script.write_text(DIES)
+    proc = subprocess.Popen([sys.executable, str(script), client.scheduler.address], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        run_id = proc.stdout.readline().strip()
+        assert run_id.startswith("orphan-"), run_id
+        assert f"dask-ddp-{run_id}" in client.run_on_scheduler(topics)
+        assert client.run_on_scheduler(state_of, run_id) == "RUNNING"
+        proc.kill()
+        proc.wait(30)
+        wait_until(lambda: f"dask-ddp-{run_id}" not in client.run_on_scheduler(topics), 30,
+                   what="the killed client's job topic to leave the scheduler")
+        assert client.run_on_scheduler(state_of, run_id) == "CANCELLED"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        wait_until(lambda: no_running_ranks(client), 60, what="the killed client's ranks to stop")
 
 
 # ---- in a browser --------------------------------------------------------------------------------------------

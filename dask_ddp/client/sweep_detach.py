@@ -14,9 +14,11 @@ scheduler's process, as a detached job's driver does (:mod:`dask_ddp.client.deta
 run on while no notebook is connected, and a :class:`RemoteDriver` polls the driver every
 ``ddp.detached.poll-interval`` seconds for the handle (:class:`~dask_ddp.client.sweep.Sweep`), whose
 ``results()``, ``best``, ``counts()``, ``wait()`` and ``cancel()`` work as for the sweep's own handle.
-``sweep.study`` is loaded from ``storage`` when that is a URL (e.g. ``sqlite:///sweeps.db``, which then lives
-where the scheduler runs), else it is None in an attached handle. The scheduler keeps the last
-``ddp.detached.keep`` ended sweeps. dask-ddp (and Optuna) must be installed where the scheduler runs.
+``sweep.study`` is loaded from ``storage`` when that is a URL (a relative ``sqlite:///sweeps.db`` is made absolute
+on the client first, :func:`absolute_storage`: the scheduler's working folder is another), else it is None in an
+attached handle. The scheduler keeps the last ``ddp.detached.keep`` ended sweeps. Nothing a trial returns or
+raises is unpickled in the scheduler's process (:class:`SchedulerDriver`). dask-ddp (and Optuna) must be
+installed where the scheduler runs.
 """
 
 from __future__ import annotations

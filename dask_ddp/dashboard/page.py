@@ -179,10 +179,10 @@ def sweeps_html(sweeps: list[dict]) -> str:
     rows = []
     for w in reversed(sweeps):
         t, occ = w["trials"], w.get("occupancy")
-        cells = [escape(w["sweep"]), w["state"], *(t.get(s, 0) for s in ("RUNNING", "QUEUED", "PRUNED",
-                 "COMPLETE", "FAILED", "CANCELLED")), w["n_trials"], f"{w['busy']} of {w['room']}",
+        cells = [w["sweep"], w["state"], *(t.get(s, 0) for s in ("RUNNING", "QUEUED", "PRUNED", "COMPLETE",
+                 "FAILED", "CANCELLED")), w["n_trials"], f"{w['busy']} of {w['room']}",
                  "" if occ is None else f"{100 * occ:.0f} %"]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")  # every cell as text
     return f"<h4>Sweeps</h4><table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
@@ -193,6 +193,9 @@ def _detail(job: JobView) -> str:
     if job.stragglers:
         last = job.stragglers[-1]
         text += f"<p><b>Straggler:</b> {escape(str(last.get('message') or ''))}</p>"
+    if job.ignored:
+        text += (f"<p>{job.ignored} items about ranks outside the job's plan "
+                 f"({'none heard yet' if job.world is None else f'{job.world} ranks'}) were ignored.</p>")
     return text
 
 

@@ -1,7 +1,9 @@
 """The scheduler plugin behind the DDP page and the ``dask_ddp_`` gauges.
 
-Runs in: the scheduler's process (:class:`DDPDashboard`); :func:`install` runs in the client, called by
-``dispatch.run`` before each job. A cluster that never runs a dask-ddp job never gets the plugin.
+Runs in: the scheduler's process (:class:`DDPDashboard`, :func:`orphaned_topics`); :func:`install` runs in the
+client, called by ``dispatch.run`` before each job. A cluster that never runs a dask-ddp job never gets the
+plugin. Besides the page and the gauges, the plugin drops the event topic of a job whose client left without
+ending it (a killed kernel), which nothing else would.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_ddp.dashboard import prometheus
+from dask_ddp.dashboard.jobs import JOB_TOPIC_PREFIX, JOBS_TOPIC
 from dask_ddp.dashboard.state import DashboardState
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
-__all__ = ["DDPDashboard", "install", "NAME"]
+__all__ = ["DDPDashboard", "install", "NAME", "orphaned_topics"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -63,6 +66,13 @@ class DDPDashboard(SchedulerPlugin):
         if self.state is not None:
             self.state.feed(topic, msg)
 
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        """A client left: drop the topics of the dask-ddp jobs it followed and no other client does (see
+        :func:`orphaned_topics`), and show those jobs CANCELLED (their ranks stop with their client)."""
+        runs = orphaned_topics(scheduler, client)
+        if runs and self.state is not None:
+            self.state.orphaned(runs)
+
     async def close(self) -> None:
         if self.state is not None:
             prometheus.unregister(self.state)
@@ -91,3 +101,29 @@ def install(client: Client) -> bool:
                        "plugin failed (%r). Install dask-ddp where the scheduler runs (the docker/ images have "
                        "it), or set ddp.dashboard.enabled: false to skip it", exc)
         return False
+
+
+def orphaned_topics(scheduler: Scheduler, client: str) -> list[str]:
+    """On the scheduler, when ``client`` has left: drop the event topics of dask-ddp jobs (``dask-ddp-<run_id>``)
+    that it subscribed to and no other client does; the run ids of those dropped. Raises nothing.
+
+    A job's controller drops its topic at the job's end; a client that dies (a killed kernel) or closes while
+    its job runs never does, and Dask keeps a topic (up to ``distributed.admin.low-level-log-length`` events,
+    as bytes up to ``ddp.events.max-batch-bytes`` each) and its subscriber for good. ``Broker._topics`` is private
+    (distributed 2026.8): guarded, as ``worker.relay.drop_topic`` is.
+    """
+    topics = getattr(getattr(scheduler, "_broker", None), "_topics", None)
+    if not isinstance(topics, dict):
+        return []
+    dropped = []
+    for name, topic in list(topics.items()):
+        if not isinstance(name, str) or not name.startswith(JOB_TOPIC_PREFIX) or name == JOBS_TOPIC:
+            continue
+        subscribers = getattr(topic, "subscribers", None)
+        if not isinstance(subscribers, set) or client not in subscribers:
+            continue
+        subscribers.discard(client)
+        if not subscribers:
+            topics.pop(name, None)
+            dropped.append(name[len(JOB_TOPIC_PREFIX):])
+    return dropped

@@ -17,8 +17,10 @@ Two kinds of messages arrive:
   "n_trials", "trials": {state: count}, "busy", "room", "occupancy"}``, kept in ``sweeps``.
 
 Everything is bounded: the last ``keep_jobs`` jobs (ended ones are dropped first), ``history`` step times
-per rank, ``MAX_STRAGGLERS`` straggler messages per job. A message that does not parse is ignored, never
-raised: it arrives on the scheduler's event loop.
+per rank, ``MAX_STRAGGLERS`` straggler messages per job, and the ranks of a job: those of its plan (the
+controller's message lists them), at most ``MAX_RANKS``, or ``MAX_UNPLANNED`` while no plan was heard; an
+item about any other rank number (rank code can send any) is dropped and counted in ``JobView.ignored``. A
+message that does not parse is ignored, never raised: it arrives on the scheduler's event loop.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = ["DashboardState", "JobView", "RankView", "ENDED", "rank_rows"]
 
 ENDED = ("FINISHED", "FAILED", "CANCELLED")
 MAX_STRAGGLERS = 20
+MAX_RANKS = 4096  # ranks held per job at most, whatever its plan says
+MAX_UNPLANNED = 256  # ... and while the scheduler has heard no plan of the job (its controller's message comes first)
 TELEMETRY_FIELDS = ("step_time", "input_wait", "collective_wait", "samples_per_s", "cpu_percent", "rss_bytes",
                     "gpu_util", "gpu_mem_bytes", "gpu_mem_peak_bytes", "last_report_age", "ckpt_step", "ckpt_stall_s",
                     "ckpt_waited_s", "ckpt_upload_s", "ckpt_bytes", "ckpt_mb_s")
@@ -69,6 +73,16 @@ class JobView:
     ranks: dict[int, RankView] = field(default_factory=dict)
     stragglers: deque = field(default_factory=lambda: deque(maxlen=MAX_STRAGGLERS))
     dropped: int = 0  # reports and lines its ranks' limits dropped, all attempts
+    world: int | None = None  # the current attempt's planned world size (None: no plan heard yet)
+    ignored: int = 0  # items about ranks outside the plan (or past MAX_RANKS), dropped here
+
+    def holds(self, rank: int) -> bool:
+        """Whether the page keeps rank ``rank`` of this job: one of its plan, at most ``MAX_RANKS`` (or
+        ``MAX_UNPLANNED`` before a plan was heard); an item about another is counted in ``ignored``."""
+        if 0 <= rank < min(MAX_RANKS, MAX_UNPLANNED if self.world is None else self.world):
+            return True
+        self.ignored += 1
+        return False
 
     @property
     def ended(self) -> bool:
@@ -147,15 +161,23 @@ class DashboardState:
         attempt = int(msg.get("attempt") or 0)
         if attempt != job.attempt or not job.ranks:
             job.attempt, job.ranks = attempt, {}
-        for r in msg.get("ranks") or ():
-            view = job.ranks.setdefault(int(r["rank"]), RankView(int(r["rank"]), history=deque(maxlen=self.history)))
-            view.worker, view.host = r.get("worker") or view.worker, r.get("host") or view.host
-            view.device = r.get("device") or view.device
+        planned = msg.get("ranks") or ()
+        if planned:  # the attempt's plan: its ranks are the only ones the page keeps
+            job.world = len(planned)
+            for extra in [rk for rk in job.ranks if rk >= job.world]:
+                del job.ranks[extra]
+        for r in planned[:MAX_RANKS]:
+            view = self._rank(job, int(r["rank"]))
+            if view is not None:
+                view.worker, view.host = r.get("worker") or view.worker, r.get("host") or view.host
+                view.device = r.get("device") or view.device
         return True
 
     def _straggler(self, run: str, msg: dict) -> bool:
         job = self._get(run, None, float(msg.get("time") or time.time()))
         view = self._rank(job, int(msg["rank"]))
+        if view is None:
+            return False
         view.straggler = str(msg.get("cause") or "unknown")
         view.worker, view.host = msg.get("worker") or view.worker, msg.get("host") or view.host
         job.stragglers.append({k: msg.get(k) for k in ("rank", "worker", "host", "cause", "time", "message")})
@@ -173,23 +195,27 @@ class DashboardState:
         used = False
         for item in items:
             if item.get("kind") == "telemetry":
-                self._telemetry(self._get(run, None, item.get("time")), attempt, item)
-                used = True
+                used = self._telemetry(self._get(run, None, item.get("time")), attempt, item) or used
             elif item.get("kind") == "dropped":
                 job = self._get(run, None, item.get("time"))
-                count = int(item.get("count") or 0)
-                job.dropped += count
-                self._rank(self._at_attempt(job, attempt), int(item["rank"])).dropped += count
-                used = True
+                view = self._rank(self._at_attempt(job, attempt), int(item["rank"]))
+                if view is not None:
+                    count = int(item.get("count") or 0)
+                    job.dropped += count
+                    view.dropped += count
+                    used = True
         last = next((i for i in reversed(items) if i.get("kind") == "metric"), None)
         if last is not None:
             view = self._rank(self._at_attempt(self._get(run, None, last.get("time")), attempt), int(last["rank"]))
-            view.step, view.seen = last.get("step", view.step), _max(view.seen, last.get("time"))
-            used = True
+            if view is not None:
+                view.step, view.seen = last.get("step", view.step), _max(view.seen, last.get("time"))
+                used = True
         return used
 
-    def _telemetry(self, job: JobView, attempt: int, item: dict) -> None:
+    def _telemetry(self, job: JobView, attempt: int, item: dict) -> bool:
         view = self._rank(self._at_attempt(job, attempt), int(item["rank"]))
+        if view is None:
+            return False
         view.telemetry = {k: item.get(k) for k in TELEMETRY_FIELDS}
         at = item.get("time")
         if item.get("step") is not None:
@@ -197,6 +223,7 @@ class DashboardState:
         view.seen = _max(view.seen, at)
         if item.get("step_time") is not None and at is not None:
             view.history.append((float(at), float(item["step_time"])))
+        return True
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def _get(self, run: str, name, at) -> JobView:
@@ -210,14 +237,27 @@ class DashboardState:
 
     def _at_attempt(self, job: JobView, attempt: int) -> JobView:
         if attempt > job.attempt:  # the ranks report a restart before the controller's message arrived
-            job.attempt, job.ranks = attempt, {}
+            job.attempt, job.ranks, job.world = attempt, {}, None  # its plan may differ: heard with that message
         return job
 
-    def _rank(self, job: JobView, rank: int) -> RankView:
+    def _rank(self, job: JobView, rank: int) -> RankView | None:
+        """The view of ``rank`` in ``job`` (made on first use); None for a rank the job does not hold."""
         view = job.ranks.get(rank)
         if view is None:
+            if not job.holds(rank):
+                return None
             view = job.ranks[rank] = RankView(rank, history=deque(maxlen=self.history))
         return view
+
+    def orphaned(self, runs: list[str]) -> None:
+        """The jobs ``runs`` ended without saying so (their client left while they ran, and their ranks stop with
+        it): shown CANCELLED."""
+        with self.lock:
+            for run in runs:
+                job = self.jobs.get(run)
+                if job is not None and not job.ended:
+                    job.state, job.updated = "CANCELLED", time.time()
+                    self.version += 1
 
     def _trim(self) -> None:
         while len(self.jobs) > self.keep_jobs:
