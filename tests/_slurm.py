@@ -213,3 +213,57 @@ class LocalSlurm:
                 if proc.pid != os.getpid() and proc.environ().get("SLURM_CONF") == str(self.conf):
                     found.append(proc)
         return found
+
+
+# ---- stand-ins: `dask-ddp slurm` without a SLURM ------------------------------------------------------------
+
+STAND_IN_SRUN = r'''#!{python}
+"""Stand-in srun: run the command --ntasks times here (SLURM_PROCID set), SIGTERM/SIGINT passed on to each."""
+import os, signal, subprocess, sys
+args, ntasks = sys.argv[1:], 1
+while args and args[0].startswith("-"):
+    opt = args.pop(0)
+    if opt.startswith("--ntasks="):
+        ntasks = int(opt.split("=", 1)[1])
+procs = [subprocess.Popen(args, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
+         for i in range(ntasks)]
+def forward(sig, _):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+signal.signal(signal.SIGTERM, forward)
+signal.signal(signal.SIGINT, forward)
+sys.exit(max(abs(p.wait()) for p in procs))
+'''
+
+STAND_IN_SCONTROL = r'''#!{python}
+"""Stand-in scontrol: only `scontrol show hostnames LIST` (a comma-separated list, no ranges)."""
+import sys
+if sys.argv[1:3] != ["show", "hostnames"]:
+    sys.exit(f"stand-in scontrol: {sys.argv[1:]} is not supported")
+print("\n".join(n for n in sys.argv[3].split(",") if n))
+'''
+
+
+def stand_in_slurm(folder: Path, python: str, nodes: list[str], tasks: int) -> dict[str, str]:
+    """Stand-in ``srun`` and ``scontrol`` in ``folder`` and the environment of a batch step that runs on the first
+    of ``nodes`` (``SLURMD_NODENAME``) with ``tasks`` tasks: ``dask-ddp slurm`` runs in it as in a SLURM job,
+    its workers all on this machine."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (("srun", STAND_IN_SRUN), ("scontrol", STAND_IN_SCONTROL)):
+        path = folder / name
+        path.write_text(text.replace("{python}", python))
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    return {**env, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": str(tasks), "SLURM_CPUS_PER_TASK": "1", "SLURM_JOB_NODELIST": ",".join(nodes),
+            "SLURMD_NODENAME": nodes[0]}
+
+
+def routed_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (the kind a node's scheduler listens on), or None."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None

@@ -11,18 +11,22 @@ where SLURM cannot start (not root, ``slurm-wlm``/``munge`` not installed: ``.ci
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 from _cluster import run, wait_until
-from _slurm import LocalSlurm, why_not
+from _slurm import LocalSlurm, routed_address, stand_in_slurm, why_not
 
 import dask_ddp
 from dask_ddp.client import slurm as slurm_mod
@@ -131,6 +135,10 @@ def test_slurm_workers_take_scancel_and_the_time_limit_signal_as_preemption_noti
     with SLURMCluster(**options) as cluster, Client(cluster) as client:
         script = cluster.job_script()
         assert "#SBATCH --signal=B:TERM@60" in script and f"exec {sys.executable} -m" in script, script
+        assert "--tls-key ~/.dask-jobqueue.worker.key." in script, script  # the workers' TLS files, in ~
+        refused = probe(cluster.scheduler_address, "", [])
+        assert cluster.scheduler_address.startswith("tls://") and all(
+            v.startswith("refused") for v in refused.values()), (cluster.scheduler_address, refused)
         t0 = time.time()
         cluster.scale(2)
         client.wait_for_workers(2, timeout=120)
@@ -184,7 +192,7 @@ def test_the_sbatch_example_starts_its_workers_with_srun_and_runs_a_script(slurm
     print(f"sbatch examples/slurm/ddp.sbatch (2 tasks, 5 steps) to the job's end: {time.time() - t0:.2f} s")
     text = (tmp_path / f"out-{job_id}.txt").read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:]
-    assert "dask-ddp slurm: scheduler tcp://127.0.0.1:" in text and "starting 2 workers on localhost" in text
+    assert "dask-ddp slurm: scheduler tls://127.0.0.1:" in text and "starting 2 workers on localhost" in text
     assert "[rank 0] done: world size 2" in text and "ranks agree: True" in text, text[-3000:]
     wait_until(lambda: not job_processes(slurm), 30, what="no process of the batch job left")
 
@@ -227,6 +235,194 @@ def test_the_sbatch_examples_workers_take_slurms_signal_as_a_notice(slurm, tmp_p
     assert (state, code) == ("FAILED", "1:0") and "the workers' srun step ended while the job ran" in text, text[-3000:]
 
 
+# ---- the cluster of `dask-ddp slurm` takes no stranger: TLS with the job's own key, the dashboard on 127.0.0.1 ----
+
+WAITING_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+print(f"waiting: sum {total.item():.0f}", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.1)
+dist.barrier()
+print(f"done: world size {dist.get_world_size()}", flush=True)
+"""
+
+PROBE = r"""
+import asyncio, json, os, sys
+from distributed import Client, Security
+from distributed.core import rpc
+
+async def identity(address, security):
+    async with rpc(address, timeout=5, connection_args=security.get_connection_args("client")) as r:
+        return (await asyncio.wait_for(r.identity(), 10))["type"]
+
+def attempt(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return f"refused: {type(exc).__name__}"
+
+scheduler, key, *others = sys.argv[1:]
+host_port, foreign, plain = scheduler.split("://", 1)[1], Security.temporary(), Security(require_encryption=False)
+out = {"plain client": attempt(lambda: Client("tcp://" + host_port, timeout=5).run_on_scheduler(os.getuid)),
+       "TLS client with another key": attempt(
+           lambda: Client("tls://" + host_port, security=foreign, timeout=5).run_on_scheduler(os.getuid))}
+if key:
+    out["the job's key"] = attempt(lambda: len(open(key).read()))
+for addr in others:
+    out[f"plain {addr}"] = attempt(lambda: asyncio.run(identity("tcp://" + addr, plain)))
+    out[f"TLS with another key {addr}"] = attempt(lambda: asyncio.run(identity("tls://" + addr, foreign)))
+print(json.dumps(out))
+"""
+
+
+def probe(scheduler: str, key: str, others: list[str], as_user: int | None = None) -> dict:
+    """What a stranger gets from the cluster (run in a process of its own, as uid ``as_user`` if given): running
+    code on the scheduler over plain TCP and over TLS with a key of their own, the job's key file, and the
+    ``identity`` of each Dask server in ``others`` (``host:port``) both ways."""
+    who = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups"] if as_user is not None else []
+    out = subprocess.run([*who, sys.executable, "-c", PROBE, scheduler, key, *others], capture_output=True,
+                         text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def listening(procs: list[psutil.Process]) -> list[tuple[str, int]]:
+    """The TCP addresses these processes listen on."""
+    found = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            found += [(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def check_no_stranger_gets_in(text: str, command: psutil.Process, workers: list[psutil.Process]) -> str:
+    """What ``dask-ddp slurm`` printed (``text``) and its processes (``command``: the one that runs the scheduler;
+    ``workers``: the workers and their Nannies) while its job runs: a client without the job's key is refused
+    by the scheduler, the workers and the Nannies, over plain TCP and over TLS with another key; the dashboard
+    listens on 127.0.0.1 alone; the key is in a private folder, out of reach of another uid. Returns that folder."""
+    found = re.search(r"dask-ddp slurm: scheduler (\w+://([\d.]+):(\d+))", text)
+    assert found, text[-3000:]
+    scheduler, port = found.group(1), int(found.group(3))
+    folder = re.search(r"certificate and key in (\S+), yours alone", text)
+    key = os.path.join(folder.group(1), "key.pem") if folder else ""
+    others = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in listening(workers)]
+    assert len(others) >= 2, [p.cmdline() for p in workers]  # each worker and its Nanny listen
+    got = probe(scheduler, key, others)
+    print(f"a stranger's attempts at {scheduler} and {len(others)} worker/Nanny addresses: {got}")
+    refused = {k: v for k, v in got.items() if k != "the job's key"}
+    assert all(str(v).startswith("refused") for v in refused.values()), got
+    assert scheduler.startswith("tls://"), scheduler
+    beside = [(h, p) for h, p in listening([command]) if p != port]
+    assert beside and all(h == "127.0.0.1" for h, _ in beside), f"the dashboard listens on {beside}, not 127.0.0.1"
+    assert folder, text[-3000:]
+    assert stat.S_IMODE(os.stat(folder.group(1)).st_mode) == 0o700, oct(os.stat(folder.group(1)).st_mode)
+    for name in ("cert.pem", "key.pem"):
+        st = os.stat(os.path.join(folder.group(1), name))
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid(), (name, oct(st.st_mode), st.st_uid)
+    if os.geteuid() == 0:  # another uid: nothing more
+        other = probe(scheduler, key, others[:2], as_user=65534)
+        print(f"uid 65534's attempts: {other}")
+        assert all(str(v).startswith("refused") for v in other.values()), other
+    return folder.group(1)
+
+
+def _stop_tree(proc: subprocess.Popen, procs: list[psutil.Process]) -> None:
+    """SIGTERM to ``proc``'s session, up to 30 s, then SIGKILL to it and to every process in ``procs`` left."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.wait(10)
+
+
+def _dask_processes(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The workers and Nannies among ``procs`` (not srun, whose I/O ports take no stranger's bytes well, nor
+    ranks, zygotes or their helpers)."""
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            argv = p.cmdline()
+            if not argv or not os.path.basename(argv[0]).startswith("python"):
+                continue
+            cmd = " ".join(argv)
+            if "dask_worker" in cmd or "multiprocessing.spawn" in cmd or "multiprocessing.forkserver" in cmd:
+                out.append(p)
+    return out
+
+
+@pytest.mark.slow
+def test_dask_ddp_slurms_cluster_takes_no_stranger(tmp_path):
+    """With stand-in srun and scontrol (no SLURM needed), the scheduler on this node's routed address, as on a
+    real allocation: a client without the job's key is refused (plain TCP, or TLS with a key of its own; another
+    uid too), the dashboard listens on 127.0.0.1, and the job itself runs a DDP script end to end."""
+    host = routed_address() or "localhost"
+    env = stand_in_slurm(tmp_path / "bin", sys.executable, ["node0", host], tasks=2)
+    home = Path(tempfile.mkdtemp(prefix="dask-ddp-home-"))  # as a home folder: others may pass through it
+    home.chmod(0o755)
+    env.update(HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    (tmp_path / "wait.py").write_text(WAITING_SCRIPT)
+    go, out_path = tmp_path / "go", tmp_path / "out.txt"
+    procs: list[psutil.Process] = []
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dask_ddp.cli", "slurm", "--start-timeout", "240",
+                                 str(tmp_path / "wait.py"), str(go)], env=env, cwd=tmp_path, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: proc.poll() is not None or "[rank 1] waiting: sum 3" in out_path.read_text(), 300,
+                   interval=0.2, what="both ranks running")
+        text = out_path.read_text()
+        assert proc.poll() is None, text[-3000:]
+        procs = psutil.Process(proc.pid).children(recursive=True)
+        folder = check_no_stranger_gets_in(text, psutil.Process(proc.pid), _dask_processes(procs))
+        go.write_text("")
+        assert proc.wait(120) == 0, out_path.read_text()[-3000:]
+        text = out_path.read_text()
+        assert "[rank 0] done: world size 2" in text and "[rank 1] done: world size 2" in text, text[-3000:]
+        assert not os.path.exists(folder), "the job's TLS folder was left behind"
+        assert os.listdir(home / ".dask-ddp") == []
+    finally:
+        _stop_tree(proc, procs)
+        import shutil
+
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_sbatch_examples_cluster_takes_no_stranger(slurm, tmp_path):
+    """The same on the real SLURM: examples/slurm/ddp.sbatch as a user submits it."""
+    (tmp_path / "wait.py").write_text(WAITING_SCRIPT)
+    go = tmp_path / "go"
+    job_id = sbatch_example(slurm, tmp_path, str(tmp_path / "wait.py"), str(go))
+    out = tmp_path / f"out-{job_id}.txt"
+    try:
+        wait_until(lambda: out.exists() and "[rank 1] waiting: sum 3" in out.read_text(), 180,
+                   what="both ranks running")
+        procs = [psutil.Process(pid) for pid, _ in job_processes(slurm)]
+        [command] = [p for p in procs if "dask-ddp slurm" in " ".join(p.cmdline())]
+        folder = check_no_stranger_gets_in(out.read_text(), command, _dask_processes(procs))
+        go.write_text("")
+        state, code = slurm.wait_job(job_id, 120)
+        text = out.read_text()
+        assert (state, code) == ("COMPLETED", "0:0"), text[-3000:]
+        assert "[rank 0] done: world size 2" in text and "[rank 1] done: world size 2" in text, text[-3000:]
+        assert not os.path.exists(folder), "the job's TLS folder was left behind"
+    finally:
+        go.write_text("")
+        slurm.run("scancel", job_id, check=False)
+    wait_until(lambda: not job_processes(slurm), 30, what="no process of the batch job left")
+
+
 def sbatch_example(slurm, tmp_path, *script_and_args: str) -> str:
     """Submit examples/slurm/ddp.sbatch as a user would, its resources scaled down to this machine; its job id."""
     repo = Path(__file__).resolve().parent.parent
@@ -248,10 +444,15 @@ def test_slurm_options_complete_what_the_caller_passed():
     assert opts["worker_extra_args"] == ["--lifetime", "55m", "--worker-port", "40000:40049",
                                          "--nanny-port", "40050:40099"]
     assert opts["python"] == "exec /opt/env/bin/python" and opts["processes"] == 4
-    assert opts["scheduler_options"] == {} and opts["interface"] == "ib0"  # the caller's network: no probe
-    mine = slurm_mod.slurm_options(scheduler_options={"host": "10.0.0.1"}, job_extra_directives=["--signal=USR1@90"],
-                                   python="exec python3")
+    assert opts["interface"] == "ib0"  # the caller's network: no probe
+    assert opts["scheduler_options"] == {"dashboard_address": "127.0.0.1:8787"}
+    assert opts["security"] is True and opts["shared_temp_directory"] == "~"  # TLS, the workers' files in ~
+    mine = slurm_mod.slurm_options(scheduler_options={"host": "10.0.0.1", "dashboard_address": ":8787"},
+                                   job_extra_directives=["--signal=USR1@90"], python="exec python3", security=False,
+                                   shared_temp_directory="/shared/me")
     assert mine["job_extra_directives"] == ["--signal=USR1@90"] and mine["python"] == "exec python3"
+    assert mine["scheduler_options"] == {"host": "10.0.0.1", "dashboard_address": ":8787"}
+    assert "security" not in mine and mine["shared_temp_directory"] == "/shared/me"  # plain TCP, as asked
 
 
 def test_the_sites_jobqueue_settings_count_as_passed():
@@ -263,7 +464,11 @@ def test_the_sites_jobqueue_settings_count_as_passed():
     with dask.config.set(site):
         opts = slurm_mod.slurm_options(queue="no-such-partition")  # no sinfo call: the site names the interface
     assert opts["python"] == "exec /site/env/bin/python" and opts["worker_extra_args"] == ["--lifetime", "1h"]
-    assert opts["job_extra_directives"] == ["--qos=high", "--signal=B:TERM@60"] and opts["scheduler_options"] == {}
+    assert opts["job_extra_directives"] == ["--qos=high", "--signal=B:TERM@60"]
+    assert opts["scheduler_options"] == {"dashboard_address": "127.0.0.1:8787"}
+    with dask.config.set({**site, "jobqueue.slurm.shared-temp-directory": "/shared/me"}):
+        opts = slurm_mod.slurm_options(queue="no-such-partition")
+    assert "shared_temp_directory" not in opts and opts["security"] is True  # dask-jobqueue reads the site's
 
 
 @pytest.mark.parametrize("kwargs, match", [({"notice": 20}, "grace-period"), ({"ports": (5000, 5000)}, "lo < hi"),
@@ -301,12 +506,17 @@ def test_dask_ddp_slurm_outside_a_slurm_job_is_a_usage_error(monkeypatch, capsys
 
 
 def test_the_workers_step_is_one_nanny_run_worker_per_task():
+    from dask_ddp.cli.common import TLSFiles
     from dask_ddp.cli.slurm import worker_command
 
-    cmd = worker_command("tcp://10.0.0.1:8786", 8, 4, "--local-directory '/scratch/my dir'")
+    tls = TLSFiles("/home/me/.dask-ddp/slurm-1-x", "/home/me/.dask-ddp/slurm-1-x/cert.pem",
+                   "/home/me/.dask-ddp/slurm-1-x/key.pem")
+    cmd = worker_command("tls://10.0.0.1:8786", 8, 4, "--local-directory '/scratch/my dir'", tls)
     assert cmd[:3] == ["srun", "--ntasks=8", "--kill-on-bad-exit=0"]
-    assert cmd[3:] == [sys.executable, "-m", "distributed.cli.dask_worker", "tcp://10.0.0.1:8786", "--nthreads", "4",
-                       "--nanny", "--no-dashboard", "--local-directory", "/scratch/my dir"]
+    assert cmd[3:] == [sys.executable, "-m", "distributed.cli.dask_worker", "tls://10.0.0.1:8786", "--nthreads", "4",
+                       "--nanny", "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--tls-ca-file", tls.cert,
+                       "--tls-cert", tls.cert,
+                       "--tls-key", tls.key, "--local-directory", "/scratch/my dir"]
 
 
 @pytest.mark.slow

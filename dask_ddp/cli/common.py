@@ -1,7 +1,8 @@
 """Runs in: the user's shell (the ``dask-ddp`` command): what its commands share.
 
 Exit codes; the cluster options every command takes; the Dask client of a
-running scheduler or of a local cluster started (and stopped) here; waiting
+running scheduler or of a local cluster started (and stopped) here; a cluster's
+TLS material written for processes elsewhere (:class:`TLSFiles`); waiting
 for a job, where Ctrl-C cancels it; printing a failed job's root cause.
 """
 
@@ -13,14 +14,16 @@ import importlib.util
 import os
 import signal
 import sys
+import tempfile
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dask_ddp.cli.script import ScriptExitError
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED", "add_cluster_arguments", "int_at_least",
-           "usage_error", "wait_for", "print_failure", "open_client"]
+           "usage_error", "wait_for", "print_failure", "open_client", "TLSFiles"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -224,3 +227,59 @@ def _sigint_handler(handler):
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ---- TLS material for processes elsewhere --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A cluster's TLS certificate and key as files, in a folder of their own that only this user can enter.
+
+    For processes started elsewhere (``dask worker`` on other nodes, a notebook that connects): they read
+    them there. ``Security.temporary()`` material is a self-signed certificate, its own CA: whoever holds the
+    key is a member of the cluster, and whoever does not is refused.
+    """
+
+    folder: str
+    cert: str
+    key: str
+
+    @classmethod
+    def write(cls, security, base: str, prefix: str) -> "TLSFiles":
+        """Write ``security``'s certificate and key (PEM text, as ``Security.temporary()`` holds them) to a new
+        folder ``base/<prefix>XXXXXXXX`` (mode 0700, made atomically by ``mkdtemp``; files 0600, never through
+        a link). Remove it with :meth:`remove`.
+
+        Raises
+        ------
+        OSError
+            ``base`` cannot be written: the message names it.
+        """
+        try:
+            folder = tempfile.mkdtemp(prefix=prefix, dir=base)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot make the cluster's private TLS folder in {base}: {exc.strerror}; "
+                                     "give a folder of yours that every node sees") from None
+        paths = {}
+        for name, text in (("cert", security.tls_scheduler_cert), ("key", security.tls_scheduler_key)):
+            paths[name] = os.path.join(folder, f"{name}.pem")
+            fd = os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        return cls(folder, paths["cert"], paths["key"])
+
+    def worker_args(self) -> list[str]:
+        """The ``dask worker`` options that make it speak TLS with this material. Raises nothing."""
+        return ["--tls-ca-file", self.cert, "--tls-cert", self.cert, "--tls-key", self.key]
+
+    def client_code(self, address: str) -> str:
+        """Python code that connects a client to the scheduler at ``address`` with this material. Raises nothing."""
+        return (f"from distributed import Client, Security; client = Client({address!r}, security=Security("
+                f"tls_ca_file={self.cert!r}, tls_client_cert={self.cert!r}, tls_client_key={self.key!r}, "
+                "require_encryption=True))")
+
+    def remove(self) -> None:
+        """Remove the folder and its files (best effort). Raises nothing."""
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -19,6 +19,11 @@ gives each worker job what a DDP job needs, which plain ``SLURMCluster`` leaves 
   to every process of the job, SIGKILL ``KillWait`` s later) is a notice too.
 - **Ports**, where a firewall stands between the login node and the compute nodes: ``ports=(lo, hi)``
   splits the range between the workers' and the Nannies' listening ports.
+- **TLS**: ``security=True`` (dask-jobqueue makes a ``Security.temporary()`` for the cluster and writes the
+  workers' copy of its certificate and key, files of mode 0600, to ``shared_temp_directory``, here ``~``
+  unless set: a home folder every node sees). The scheduler listens on the login node's routed address, and
+  a plain-TCP scheduler there runs the code of anyone who can reach it, as you. Its dashboard listens on
+  127.0.0.1:8787 (an ssh tunnel, or a Jupyter proxy on the login node, reaches it).
 - **GPUs**: ``gpus=N`` asks each job for N GPUs (``--gres=gpu:N``) and runs N workers in it
   (``processes=N``): one rank per GPU. The workers of a job all see the job's GPUs, and each rank takes
   ``cuda:LOCAL_RANK``, as under torchrun (:mod:`dask_ddp.rank.devices`). ``gpus=1``: a job per GPU.
@@ -112,9 +117,12 @@ def slurm_options(*, notice: int = DEFAULT_NOTICE, ports: tuple[int, int] | None
     A setting of the site's dask-jobqueue configuration (``jobqueue.slurm.*``) counts as passed.
     ``notice``: seconds before the walltime at which SLURM sends SIGTERM (``--signal=B:TERM@notice``); it
     must leave the job ``ddp.preemption.grace-period`` to save. ``ports``: a ``(lo, hi)`` range for the
-    workers' and Nannies' ports. ``gpus``: GPUs per worker job (see the module's docstring). Everything the
-    caller passed wins: an ``interface`` or a scheduler ``host``/``interface`` of theirs is kept, so is a
-    ``--signal`` directive, and lists (``job_extra_directives``, ``worker_extra_args``) are extended.
+    workers' and Nannies' ports. ``gpus``: GPUs per worker job (see the module's docstring). TLS with a
+    certificate made for the cluster (``security=True``, ``shared_temp_directory="~"``) and the dashboard on
+    127.0.0.1:8787, unless the caller says otherwise (``security=False``: plain TCP, which lets anyone who
+    reaches the scheduler run code as you). Everything the caller passed wins: an ``interface`` or a scheduler
+    ``host``/``interface`` of theirs is kept, so is a ``--signal`` directive, and lists
+    (``job_extra_directives``, ``worker_extra_args``) are extended.
 
     Raises
     ------
@@ -149,8 +157,21 @@ def slurm_options(*, notice: int = DEFAULT_NOTICE, ports: tuple[int, int] | None
     sched = dict(_given(kw, "scheduler_options") or {})
     if not (_given(kw, "interface") or sched.get("host") or sched.get("interface")):
         sched["host"] = scheduler_host(_given(kw, "queue"))
+    sched.setdefault("dashboard_address", "127.0.0.1:8787")
     kw["scheduler_options"] = sched
+    _secure(kw)
     return kw
+
+
+def _secure(kw: dict) -> None:
+    """TLS unless the caller (or the site) chose: ``security=True`` and its files' folder, ``~`` by default."""
+    if kw.get("security") is False:  # plain TCP on purpose: dask-jobqueue takes None for it
+        kw.pop("security")
+        return
+    if kw.get("security") is None:
+        kw["security"] = True
+    if _given(kw, "shared_temp_directory") is None:
+        kw["shared_temp_directory"] = "~"  # else the current folder, with a warning
 
 
 def _given(kw: dict, name: str) -> Any:
