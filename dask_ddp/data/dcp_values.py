@@ -85,14 +85,14 @@ def _set(planner, read_item, value) -> None:
 
 
 def _load_bytes(self, read_item, value: io.BytesIO) -> None:
-    self.load_value(read_item, load(value.getvalue()))
+    _set(self, read_item, load(value.getvalue()))
 
 
 @functools.cache
 def _classes() -> tuple[type, type]:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-    methods = {"load_bytes": _load_bytes, "load_value": _set, "__module__": __name__,
+    methods = {"load_bytes": _load_bytes, "__module__": __name__,
                "__doc__": "DCP's load planner, non-tensor items unpickled with weights_only=True (see dcp_values)."}
     return (type("SafeLoadPlanner", (DefaultLoadPlanner,), dict(methods)),
             type("SafeRebuildingLoadPlanner", (_EmptyStateDictLoadPlanner,), dict(methods)))
@@ -121,7 +121,7 @@ def hand_over(planner, read_item, value) -> None:
         raise TypeError(f"a dask-ddp sharded checkpoint is read with the planners of dask_ddp.data.dcp_values."
                         f"load_planner(), got {type(planner).__name__}: torch's default planner unpickles "
                         "non-tensor items with weights_only=False, which can run code")
-    planner.load_value(read_item, value)
+    _set(planner, read_item, value)
 
 
 def check_items(planner, items: list, rank: int) -> None:
