@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 from test_streaming import make_folder
@@ -23,6 +24,7 @@ from dask_ddp.data import write_shards
 from dask_ddp.data.shards_format import ShardIndex, crc32
 
 CYCLES = 50
+PRIVATE = f"dask-ddp-{os.geteuid()}"  # the user's private folder in a cache_dir
 
 
 def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
@@ -48,7 +50,7 @@ def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
         time.sleep(0.5)
     new_shm = set(os.listdir("/dev/shm")) - shm_before
     print(f"{CYCLES} kill -9 cycles in {took:.1f} s; {len(pids)} processes; new /dev/shm entries (any "
-          f"process on this machine): {sorted(new_shm)}; cache files: {len(os.listdir(cache))}")
+          f"process on this machine): {sorted(new_shm)}; cache files: {len(os.listdir(cache / PRIVATE))}")
     assert not [n for n in new_shm if any(str(p) in n for p in pids)]
     left = json.loads(proc.stdout.split("shm: ", 1)[1].splitlines()[0])
     print(f"/dev/shm {'of the killed processes alone' if private else '(shared)'} after the cycles: {left}")
@@ -56,13 +58,15 @@ def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
         assert left == [], "shared-memory segments or semaphores outlived their killed processes"
     from dask_ddp.data.stream_cache import ShardCache
 
-    ShardCache(cache, 40_000)  # opening a cache evicts what a process killed between its write and its eviction left
+    # opening a cache evicts what a process killed between its write and its eviction left
+    folder = Path(ShardCache(cache, 40_000).folder)  # the user's private folder in cache_dir
     names = {shard_name(index, str(tmp_path / "shards"), j): j for j in range(len(index.shards))}
-    for name in os.listdir(cache):
+    files = [n for n in os.listdir(folder) if n != ".claims"]  # .claims: the one (empty) file claims lock
+    for name in files:
         assert name in names, f"{name} is not a complete cache file (a temporary, part or lock file?)"
-        assert crc32((cache / name).read_bytes()) == index.crcs[names[name]], f"{name} is incomplete"
-    assert sum(os.path.getsize(cache / n) for n in os.listdir(cache)) <= 40_000 + max(index.sizes)
-    assert os.listdir(cache), "the cache was never written: the test tests nothing"
+        assert crc32((folder / name).read_bytes()) == index.crcs[names[name]], f"{name} is incomplete"
+    assert sum(os.path.getsize(folder / n) for n in files) <= 40_000 + max(index.sizes)
+    assert files, "the cache was never written: the test tests nothing"
     claims = [ShardCache(cache, 40_000).claim(name) for name in names]  # no claim outlived its killed process
     assert all(c is not None for c in claims)
     for c in claims:
@@ -83,13 +87,14 @@ def test_cached_shards_are_shared_memory_maps_that_outlive_their_eviction(tmp_pa
     from dask_ddp.data.stream_cache import ShardCache
 
     cache = ShardCache(tmp_path / "cache", 3000)
+    folder = Path(cache.folder)  # the user's private folder in cache_dir
     first, second = os.urandom(2000), os.urandom(2000)
     cache.put("a.tar", first)
     held = cache.get("a.tar")
     assert isinstance(held, mmap.mmap) and held[:] == first and crc32(held) == crc32(first)
-    with open(tmp_path / "cache" / "a.tar", "r+b") as f:  # another process's view is the same pages
+    with open(folder / "a.tar", "r+b") as f:  # another process's view is the same pages
         assert mmap.mmap(f.fileno(), 0)[10:20] == held[10:20]
     cache.put("b.tar", second)  # over the limit: a.tar, used least recently, is evicted
-    assert not (tmp_path / "cache" / "a.tar").exists() and cache.get("a.tar") is None
+    assert not (folder / "a.tar").exists() and cache.get("a.tar") is None
     assert held[:] == first  # the map taken before still reads the evicted file's bytes
     assert cache.get("b.tar")[:] == second

@@ -1,21 +1,24 @@
-"""The optional on-disk cache of ``S3ImageFolder(cache=...)``: object bytes by URL in a local folder.
+"""The optional on-disk cache of ``S3ImageFolder(cache=...)``: object bytes by URL in a private local folder.
 
 Runs in: the rank process and its DataLoader workers (each reads and writes
 the same folder; writes are atomic, so they never see half a file).
 
-A cache is a speed-up, never a reason for a sample to fail: when the folder
-cannot be used (read-only, a file in the way, disk full), the first failure is
-logged once, with the folder and the error, and the cache switches itself off
-for that dataset (in that process); samples keep coming from the store.
+The objects live in ``<cache>/dask-ddp-<uid>`` (a :mod:`.private_folder`: ``0700``, files ``0600``), so a
+private bucket's images are readable by their user alone, and a file is read only when it is a regular
+file this user wrote there (another local user can plant none: a folder they made or could write is
+refused). A cache is a speed-up, never a reason for a sample to fail: when the folder cannot be used
+(read-only, a file in the way, disk full, made by another user), the first failure is logged once, with the
+folder and the error, and the cache switches itself off for that dataset (in that process); samples keep
+coming from the store.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import uuid
+
+from dask_ddp.data.private_folder import PrivateFolder
 
 __all__ = ["BlobCache"]
 
@@ -23,53 +26,54 @@ logger = logging.getLogger(__name__)
 
 
 class BlobCache:
-    """Bytes by URL under ``folder/<sha256[:2]>/<sha256[2:]>``; objects are assumed not to change.
+    """Bytes by URL under ``folder/dask-ddp-<uid>/<sha256[:2]>/<sha256[2:]>``; objects are assumed not to change.
 
     Attributes
     ----------
     folder : str
+        The folder given; the files are in this user's private folder under it (``home.path``).
     error : OSError or None
         What switched the cache off, or None while it is on.
     """
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = os.fspath(folder)
+        self.home = PrivateFolder(self.folder)
         self.error: OSError | None = None
+
+    @staticmethod
+    def name(url: str) -> str:
+        """``url``'s file in the private folder, ``<sha256[:2]>/<sha256[2:]>`` (no I/O)."""
+        digest = hashlib.sha256(url.encode()).hexdigest()
+        return f"{digest[:2]}/{digest[2:]}"
 
     def path(self, url: str) -> str:
         """Where ``url``'s bytes are cached (no I/O)."""
-        digest = hashlib.sha256(url.encode()).hexdigest()
-        return os.path.join(self.folder, digest[:2], digest[2:])
+        return os.path.join(self.home.path, *self.name(url).split("/"))
 
     def get(self, url: str) -> bytes | None:
-        """The cached bytes of ``url``, or None (not cached, or the cache is off). Raises nothing."""
+        """The cached bytes of ``url``, or None (not cached, refused, or the cache is off). Raises nothing."""
         if self.error is not None:
             return None
         try:
-            with open(self.path(url), "rb") as f:
+            fd = self.home.open(self.name(url))  # this user's regular file that no one else can write, or None
+            if fd is None:
+                return None
+            with open(fd, "rb") as f:  # the descriptor checked: a file swapped in since changes nothing
                 return f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as err:  # e.g. a file where the folder should be: the cache cannot work
+        except OSError as err:  # e.g. a file where the folder should be, a folder of another user
             self._switch_off(err)
             return None
 
     def put(self, url: str, blob: bytes) -> None:
-        """Store ``blob`` for ``url`` (temp file + ``os.replace``). Raises nothing: a failure switches the cache off."""
+        """Store ``blob`` for ``url`` (written unnamed, then linked: complete or not at all). Raises nothing: a
+        failure switches the cache off."""
         if self.error is not None:
             return
-        path = self.path(url)
-        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)  # atomic: readers see the old state or the whole file
+            self.home.write(self.name(url), blob)
         except OSError as err:
             self._switch_off(err)
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)  # left only by a failed write
 
     def _switch_off(self, err: OSError) -> None:
         self.error = err

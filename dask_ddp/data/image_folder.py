@@ -136,11 +136,14 @@ class S3ImageFolder(ImageFolder):
     index : FolderIndex, optional
         A listing made earlier (``index_folder(root)`` or ``other.index``): no listing is done.
     cache : str or os.PathLike, optional
-        Local folder: each object is written there (temp file + ``os.replace``)
-        on first read and read from there afterwards. Keyed by URL: objects are
-        assumed not to change while cached; clear the folder when they do. A
-        folder that cannot be used (read-only, a file in the way, disk full) is
-        logged once and caching is switched off; samples still load.
+        Local folder: each object is written on first read, complete or not at
+        all, into this user's private folder ``<cache>/dask-ddp-<uid>`` (``0700``,
+        files ``0600``: another local user can neither read nor plant a file;
+        the folder may be shared by users) and read from there afterwards. Keyed
+        by URL: objects are assumed not to change while cached; clear the folder
+        when they do. A folder that cannot be used (read-only, a file in the way,
+        disk full, made by another user) is logged once and caching is switched
+        off; samples still load.
     retries : int
         Extra attempts for a transient (network, 5xx) fetch error, with exponential backoff.
 

@@ -1,44 +1,71 @@
-"""A node-local cache of whole shards, bounded in bytes, shared by every process of a host, leaving nothing behind.
+"""A node-local cache of whole shards, bounded in bytes, private to one user, shared by that user's processes
+of a host, leaving nothing behind.
 
 Runs in: the rank process and its DataLoader workers.
 
-Files are content-addressed (a hash of the shard's URL, size and CRC-32), so two jobs or users reading
-the same shard share one file and different shards never collide. A file is written unnamed
-(``O_TMPFILE``) and linked into place once complete: a process killed mid-write leaves no temporary file,
-because there is none to leave (where the filesystem lacks ``O_TMPFILE``, a ``.part-<pid>-...`` file is
-used and removed on the next start when its process is gone). No lock file and no shared-memory segment
-is ever made: while one process downloads a shard, the others of the host wait for its cache file, and that
-claim is a Unix socket bound in Linux's abstract namespace, which the kernel removes when the process ends,
-however it ends. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a
-file open keeps its bytes until it closes it. A cached shard is read as a read-only memory map: the processes
-of a host that hold the same shard share its pages (the page cache) instead of each holding a copy.
+The shards live in ``<cache_dir>/dask-ddp-<uid>`` (a :mod:`.private_folder`: ``0700``, files ``0600``, refused
+when another user made it or could write it; every file used is opened without following links and checked
+through its own descriptor), so a private bucket's shards are readable by their user alone, and no other
+local user can plant a file there: a shard's size and CRC-32 (forgeable in 4 bytes) are checked against the
+index, but only for files this user wrote. Two users of a host keep a copy each; no file is shared across
+users. Files are content-addressed (a hash of the shard's URL, size and CRC-32), so two jobs of a user reading
+the same shard share one file and different shards never collide. A file is written unnamed (``O_TMPFILE``)
+and linked into place once complete: a process killed mid-write leaves no temporary file, because there is
+none to leave (where the filesystem lacks ``O_TMPFILE``, a ``.part-<pid>-...`` file is used and removed on the
+next start when its process is gone). While one process downloads a shard, the others of the host wait for
+its cache file; that claim is an open-file-description lock on a byte of ``.claims`` (one empty file in the
+private folder, which no other user can open), which the kernel drops when its process ends, however it
+ends. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a file open
+keeps its bytes until it closes it. A cached shard is read as a read-only memory map of the descriptor that
+was checked: the processes of a host that hold the same shard share its pages (the page cache) instead of
+each holding a copy.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import re
-import socket
+import struct
 import time
 
-__all__ = ["ShardCache", "map_file"]
+from dask_ddp.data.private_folder import PrivateFolder, mapped, others_can_write
+
+__all__ = ["ShardCache", "Claim", "map_file"]
 
 logger = logging.getLogger("dask_ddp.data")
 _PART = re.compile(r"^\.part-(\d+)-")
+CLAIMS = ".claims"
+
+
+class Claim:
+    """The download of one shard, held by this process until :meth:`close` (or its end); ``fd`` None: no
+    claim could be taken (no lock on this filesystem), the shard is downloaded anyway."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        """Release the claim; raises nothing."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class ShardCache:
-    """Whole shards on local disk under ``folder``, at most ``limit`` bytes in all (plus the shards being written)."""
+    """Whole shards on local disk in this user's private folder under ``folder``, at most ``limit`` bytes in all
+    (plus the shards being written). ``folder`` is the private folder's path (``<cache_dir>/dask-ddp-<uid>``)."""
 
     def __init__(self, folder: str | os.PathLike, limit: int) -> None:
-        self.folder, self.limit = os.path.expanduser(os.fspath(folder)), int(limit)
+        self.home = PrivateFolder(folder)
+        self.folder, self.limit = self.home.path, int(limit)
         self.broken = False
         try:
-            os.makedirs(self.folder, exist_ok=True)
+            self.home.fd()
             self._remove_orphans()
             self._evict()  # a process killed between its write and its eviction may have left it over the limit
         except OSError as err:
@@ -51,35 +78,46 @@ class ShardCache:
 
     def get(self, name: str) -> bytes | mmap.mmap | None:
         """The cached shard as a read-only memory map (pages shared by the host's processes), or None (not
-        cached, or the cache is off); raises nothing."""
+        cached, refused, or the cache is off); raises nothing."""
         if self.broken:
             return None
-        path = os.path.join(self.folder, name)
         try:
-            data = map_file(path)
-            os.utime(path)  # recently used: evicted last
-            return data
+            fd = self.home.open(name)  # this user's regular file that no one else can write, or None
+            if fd is None:
+                return None
+            try:
+                os.utime(fd)  # recently used: evicted last
+                return mapped(fd)  # the descriptor checked: a file swapped in since changes nothing
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return None
 
-    def claim(self, name: str) -> socket.socket | None:
-        """Claim the download of ``name`` for this process (None: another process of the host has it).
+    def claim(self, name: str) -> Claim | None:
+        """Claim the download of ``name`` for this process (None: another process of this user has it).
 
-        The claim is a Unix socket bound in Linux's abstract namespace (no file: the kernel drops it when its
-        process exits, ``kill -9`` included); close it to release. Raises nothing (no claim possible: a socket).
+        The claim is an open-file-description lock on one byte of ``.claims`` in the private folder (no other
+        user can open it, so none can take a claim; the kernel drops it when its process exits, ``kill -9``
+        included); close it to release. Raises nothing (no claim possible: a :class:`Claim` to download anyway).
         """
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        key = hashlib.sha256(f"{os.path.realpath(self.folder)}\0{name}".encode()).hexdigest()[:40]
+        if self.broken:
+            return Claim()
+        at = int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "big")
         try:
-            sock.bind(f"\0dask-ddp-shard-{key}")
-            return sock
+            fd = os.open(CLAIMS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.home.fd())
+        except OSError:
+            return Claim()
+        try:  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, at, 1, 0))
+            return Claim(fd)
         except OSError as err:
-            sock.close()
-            if err.errno != errno.EADDRINUSE:
-                return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # no abstract namespace: download anyway
-            return None
+            os.close(fd)
+            return None if err.errno in (errno.EAGAIN, errno.EACCES) else Claim()
+        except AttributeError:  # no OFD locks here
+            os.close(fd)
+            return Claim()
 
-    def wait_for(self, name: str, timeout: float = 120.0) -> tuple[bytes | mmap.mmap | None, socket.socket | None]:
+    def wait_for(self, name: str, timeout: float = 120.0) -> tuple[bytes | mmap.mmap | None, Claim | None]:
         """The bytes another process is downloading (once cached), or a claim to download them here.
 
         Returns ``(data, None)`` or ``(None, claim)``: the other process finished, died or took longer than
@@ -90,7 +128,7 @@ class ShardCache:
             if (data := self.get(name)) is not None:
                 return data, None
             if (claim := self.claim(name)) is not None or time.monotonic() > deadline:
-                return None, claim or socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                return None, claim or Claim()
             time.sleep(delay)
             delay = min(0.1, delay * 1.5)
 
@@ -99,63 +137,35 @@ class ShardCache:
         if self.broken or len(data) > self.limit:
             return
         try:
-            self._write(os.path.join(self.folder, name), data)
+            self.home.write(name, data)
             self._evict()
         except OSError as err:
             self._switch_off(err)
 
-    def _write(self, path: str, data: bytes) -> None:
-        try:
-            fd = os.open(self.folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
-        except (OSError, AttributeError):  # no O_TMPFILE here: a named part file, cleaned up by the next start
-            part = os.path.join(self.folder, f".part-{os.getpid()}-{os.urandom(4).hex()}")
-            try:
-                with open(part, "xb") as f:
-                    f.write(data)
-                os.replace(part, path)
-            finally:
-                if os.path.exists(part):
-                    os.unlink(part)
-            return
-        try:
-            _write_all(fd, data)
-            folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-            try:  # dst_dir_fd: CPython then calls linkat(..., AT_SYMLINK_FOLLOW), which links the unnamed file
-                os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
-            except FileExistsError:
-                pass  # another process cached the same shard: same content
-            finally:
-                os.close(folder)
-        finally:
-            os.close(fd)
-
     def _evict(self) -> None:
         entries = []
-        with os.scandir(self.folder) as it:
+        with os.scandir(self.home.fd()) as it:
             for e in it:
                 if e.name.endswith(".tar"):
                     try:
-                        st = e.stat()
+                        st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    entries.append((st.st_mtime, st.st_size, e.path))
+                    entries.append((st.st_mtime, st.st_size, e.name))
         total = sum(s for _, s, _ in entries)
-        for _, size, path in sorted(entries):
+        for _, size, name in sorted(entries):
             if total <= self.limit:
                 break
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            self.home.unlink(name)
             total -= size
 
     def _remove_orphans(self) -> None:
         """Remove ``.part-<pid>-`` files whose process is gone (only where O_TMPFILE is missing)."""
-        for name in os.listdir(self.folder):
+        for name in os.listdir(self.home.fd()):
             m = _PART.match(name)
             if m and not _alive(int(m[1])):
                 try:
-                    os.unlink(os.path.join(self.folder, name))
+                    self.home.unlink(name)
                 except OSError:
                     pass
 
@@ -169,16 +179,15 @@ class ShardCache:
 
 
 def map_file(path: str) -> bytes | mmap.mmap:
-    """The file at ``path`` mapped read-only (its pages shared with every process that maps it; ``b""`` when it is
-    empty: an empty file cannot be mapped). Raises OSError (no such file, ...)."""
+    """The file at ``path`` (a local shard, where it is) mapped read-only, its pages shared with every process
+    that maps it (``b""`` when it is empty: an empty file cannot be mapped). A file that another user can
+    write (group- or world-writable, or owned by another user than this one and root) is read into memory
+    instead: its bytes could change under a map after they were checked. Raises OSError (no such file, ...).
+    """
     with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+        if others_can_write(os.fstat(f.fileno())):
+            return f.read()
+        return mapped(f.fileno())
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,8 @@ Without a node cache, a shard fetched from a remote store is held in an anonymou
 read-only: a process's window of shards (up to ``keep`` of them, 1 GiB at the default 128 MB) is then clean,
 reclaimable page cache rather than the process's own memory; only the shards in flight are held in memory. A
 shard in a local folder is mapped read-only where it is (no copy at all; the processes of a host reading it
-share its pages).
+share its pages), unless another user can write it (then it is read and spilled: a map would show bytes
+changed after the check).
 """
 
 from __future__ import annotations
@@ -143,13 +144,14 @@ class ShardFetcher:
         return data
 
     def _mapped(self, j: int) -> Blob:
-        """A local shard mapped read-only where it is, checked (size, CRC-32) as a fetched one."""
+        """A local shard mapped read-only where it is, checked (size, CRC-32) as a fetched one; one that another
+        user can write is read (and spilled) instead: its bytes could change under a map after the check."""
         path = f"{self.fs_root.rstrip('/')}/{self.names[j]}"
         data = storage.call(lambda: map_file(path), self.url(j), doing="reading the shard",
                             storage_options=self.options)
         self._ok(j, data, raise_=True)
         self.bytes_read += len(data)
-        return data
+        return _spilled(data) if isinstance(data, bytes) else data
 
     def _checked(self, j: int) -> bytes:
         data = self._fetch(j)

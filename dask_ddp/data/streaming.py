@@ -59,8 +59,10 @@ class StreamingDataset(torch.utils.data.Dataset):
         the same global order at any world size and number of DataLoader workers.
     transform, target_transform : applied to the decoded sample and to its class.
     decoder : ``decoder(data: bytes, ext: str)`` -> sample; default: PIL, RGB (as ``ImageFolder``).
-    cache_dir, cache_limit : a node-local cache of whole shards shared by every process of a host
-        (``dask_ddp.data.stream_cache``), at most ``cache_limit`` bytes; None: no cache.
+    cache_dir, cache_limit : a node-local cache of whole shards shared by this user's processes of a host
+        (``dask_ddp.data.stream_cache``), at most ``cache_limit`` bytes; None: no cache. The shards are kept
+        in ``<cache_dir>/dask-ddp-<uid>`` (``0700``, files ``0600``): another local user can neither read nor
+        plant one, and ``cache_dir`` itself may be shared by users.
     storage_options : fsspec options (s3: ``key``, ``secret``, ``client_kwargs``).
     buffer : the in-buffer shuffle's window, in samples.
     on_error : ``"raise"`` a :class:`~dask_ddp.data.SampleDecodeError` for a sample that fails to decode, or
