@@ -97,3 +97,40 @@ def test_broken_foreign_shards_are_named(tmp_path):
     (tmp_path / "mds" / "index.json").write_text(json.dumps(index))
     with pytest.raises(ShardDataError, match="raw pixels"):
         StreamingDataset(str(tmp_path / "mds"))
+
+
+@pytest.mark.parametrize("fmt", ["ours", "mds", "litdata"])
+def test_a_shard_name_leading_outside_the_dataset_is_refused(fmt, tmp_path):
+    """Shard names are joined to the root: ``../x``, an absolute name or a ``..`` segment would read outside the
+    dataset (here: a genuine shard moved out of it, which the reader would have read). Refused, naming the index
+    file and the name, for our index, MDS's and LitData's."""
+    import re
+
+    from test_streaming import make_folder
+
+    from dask_ddp.data import write_shards
+
+    root = tmp_path / "data" / fmt
+    if fmt == "ours":
+        make_folder(tmp_path / "src", n=12)
+        write_shards(str(tmp_path / "src"), str(root), shard_size="6KB", progress=False, client=False)
+    else:
+        shutil.copytree(HERE / fmt, root)
+    doc = json.loads((root / "index.json").read_text())
+    entry = {"ours": lambda: doc["shards"], "mds": lambda: doc["shards"][0]["raw_data"],
+             "litdata": lambda: doc["chunks"][0]}[fmt]()
+    field = {"ours": 0, "mds": "basename", "litdata": "filename"}[fmt]
+    first = entry[field]
+    (tmp_path / "outside").mkdir()
+    shutil.move(root / first, tmp_path / "outside" / first)  # out of the dataset: only a bad name reaches it
+    for bad in (f"../../outside/{first}", str(tmp_path / "outside" / first), f"x/../../../outside/{first}",
+                f"..\\..\\outside\\{first}", f"{first}\n"):
+        entry[field] = bad
+        (root / "index.json").write_text(json.dumps(doc))
+        with pytest.raises(ShardDataError, match=re.escape(f"{root}/index.json names the shard {bad!r}")):
+            StreamingDataset(str(root), shuffle=False, decoder=raw)[0]
+    entry[field] = first  # the shard back in place under its own name: read as before
+    shutil.move(tmp_path / "outside" / first, root / first)
+    (root / "index.json").write_text(json.dumps(doc))
+    ds = StreamingDataset(str(root), shuffle=False, decoder=raw)
+    assert len(ds) and ds[0] is not None

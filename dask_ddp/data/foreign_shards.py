@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dask_ddp.data.shards_format import ShardDataError, ShardIndex
+from dask_ddp.data.shards_format import ShardDataError, ShardIndex, check_shard_name
 
 __all__ = ["Layout", "detect", "read_index"]
 
@@ -128,13 +128,16 @@ def read_index(fmt: str, doc: dict, url: str, read_range: Callable[[str, int, in
     """The :class:`ShardIndex` (one sample per record, classes -1: they are read with the sample) and the
     :class:`Layout` of an MDS or LitData dataset; ``read_range(name, start, end)`` reads part of a shard.
 
-    Raises ShardDataError naming the shard whose offset table disagrees with the index.
+    Raises ShardDataError naming the shard whose offset table disagrees with the index, or the index and the
+    shard name that would lead outside the dataset's folder (absolute, a ``..`` segment).
     """
     try:
         layout, shards = _shards(fmt, doc, url)
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise ShardDataError(f"{url}/index.json is not a {fmt} index dask-ddp can read ({type(err).__name__}: "
                              f"{err})", shard=url) from None
+    for name, _, _ in shards:  # joined to the root below: none may lead outside it
+        check_shard_name(name, f"{url}/index.json")
 
     def table(entry: tuple[str, int, int]) -> list[int]:
         name, _, count = entry

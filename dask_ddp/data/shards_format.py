@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["ShardDataError", "ShardIndex", "INDEX_NAME", "FORMAT", "pack_tar", "scan_tar", "crc32"]
+__all__ = ["ShardDataError", "ShardIndex", "INDEX_NAME", "FORMAT", "pack_tar", "scan_tar", "crc32", "check_shard_name"]
 
 INDEX_NAME = "index.json"
 FORMAT = "dask-ddp-shards/1"
@@ -51,6 +51,29 @@ def _rebuild(cls, message, shard, key):
 def crc32(data: bytes | memoryview | mmap.mmap) -> int:
     """The CRC-32 of ``data`` (any buffer; zlib's, unsigned); raises nothing."""
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def check_shard_name(name: Any, index: str) -> str:
+    """``name``, a shard's file name as the index ``index`` gives it, when it stays inside the dataset's folder.
+
+    Shard names are joined to the dataset's root: an absolute name, a ``..`` segment or a control character
+    would read outside it (``../other/x.tar``, ``/etc/passwd``). Raises :class:`ShardDataError` naming ``index``
+    and the name (not a non-empty text, absolute, a ``..`` segment, a control character).
+    """
+    if not isinstance(name, str) or not name:
+        why = "is not a file name"
+    elif name.startswith(("/", "\\")):
+        why = "is an absolute path"
+    elif ".." in name.replace("\\", "/").split("/"):
+        why = "has a '..' segment"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+        why = "holds a control character"
+    else:
+        return name
+    raise ShardDataError(f"{index} names the shard {name!r}, which {why}: refused, shard names are paths inside "
+                         "the dataset's folder (relative, no '..' segment, no control character) and this one could "
+                         "read outside it. The index was made wrong or tampered with: rebuild it with write_shards, "
+                         "or get it again from its source", shard=index)
 
 
 @dataclass(frozen=True)
@@ -94,7 +117,8 @@ class ShardIndex:
     @classmethod
     def from_json(cls, data: bytes | dict, url: str) -> ShardIndex:
         """Parse an index file (its bytes, or the dict a caller parsed them to already); raise
-        :class:`ShardDataError` naming ``url`` when it is not one or not consistent."""
+        :class:`ShardDataError` naming ``url`` when it is not one or not consistent, or names a shard outside
+        the dataset's folder (:func:`check_shard_name`)."""
         try:
             d = data if isinstance(data, dict) else json.loads(data)
             if d.get("format") != FORMAT:
@@ -105,6 +129,8 @@ class ShardIndex:
             raise ShardDataError(f"{url} is not a valid shard index ({type(err).__name__}: {err}); rebuild it with "
                              "dask_ddp.data.write_shards, or delete it to read the tars as WebDataset shards",
                              shard=url) from None
+        for name in index.shards:
+            check_shard_name(name, url)
         return index
 
     @classmethod
