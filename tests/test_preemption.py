@@ -302,8 +302,9 @@ def test_a_finished_job_lets_its_notice_watchers_go_before_the_store_closes(rele
     print(out.stdout, out.stderr)
     if release:
         assert "watcher alive: False" in out.stdout and "recvValueWithTimeout" not in out.stderr
-    else:  # the control: without release() the warning is there, so the check above can fail
-        assert "watcher alive: True" in out.stdout and "recvValueWithTimeout" in out.stderr
+    else:  # the control: without release() the watcher still waits when the store closes (in a store wait it
+        # printed the warning then; in the queue wait of signed notices, tests/test_notice_trust.py, it ends quietly)
+        assert "watcher alive: True" in out.stdout and "recvValueWithTimeout" not in out.stderr
 
 
 @pytest.mark.slow
@@ -409,7 +410,8 @@ def train_reporting(steps, port_file):
 @pytest.mark.slow
 def test_a_notice_forged_through_the_store_does_nothing(tmp_path):
     """Anyone who reaches a rank's store could write dask-ddp's notice key and force restarts of a job with
-    max_restarts=0 (seen: 3). The keys now live under a per-attempt secret prefix."""
+    max_restarts=0 (seen: 3). Here the keys are guessed; tests/test_notice_trust.py lists them (the attempt's
+    prefix is no secret) and shows that only values signed with the attempt's key count."""
     from datetime import timedelta
 
     import torch.distributed as dist
