@@ -3,7 +3,9 @@
 Usage::
 
     python benchmarks/bench_report.py [--calls 100000] [--blocks 60] [--steps 250] [--burst 50000]
-                                      [--rate 200] [--seconds 10] [--out benchmarks/RESULTS_report.md]
+                                      [--rate 200] [--seconds 10] [--complete 5000,50000]
+                                      [--parts cost,overhead,burst,paced,complete]
+                                      [--out benchmarks/RESULTS_report.md]
 
 Two ranks on a ``LocalCluster(n_workers=2, threads_per_worker=1)``, gloo,
 CPU, ``torch.set_num_threads(1)`` in every rank. Before each measured job the
@@ -34,6 +36,15 @@ so no spare starting in the background competes with the measurement.
 4. End-to-end delay: each rank reports ``--rate`` times a second for
    ``--seconds``; the delay is the client callback's ``time.time()`` minus
    the event's ``time`` (same machine, same clock).
+5. Complete at the default limits: each rank reports ``--complete`` times (a
+   comma-separated list of runs) as fast as it can, 3 keys a report, with the
+   default ``ddp.events.max-bytes-per-interval``: the rows ``job.metrics``
+   kept, whether each rank's are in order, the loop's wall time on the rank,
+   and how long ``report()`` waited for room (``job.history``).
+
+Parts 1-4 raise ``max-bytes-per-interval`` to 1 GiB, so they measure the
+pipeline and the fast path of ``report()``, not the budget; ``--parts`` runs
+a subset (part 1 is ``cost``).
 """
 
 from __future__ import annotations
@@ -70,6 +81,16 @@ def report_cost(calls):
         dask_ddp.report(loss=0.25, acc=0.5)
         spent[i] = clock() - t0
     return {"report": _percentiles(spent), "timer": _percentiles(empty)}
+
+
+def tight_loop(n):
+    """Report n times as fast as possible, 3 keys a report; return the loop's wall time on the rank."""
+    import time
+
+    t0 = time.perf_counter()
+    for i in range(n):
+        dask_ddp.report(loss=1.0 / (i + 1), acc=i / n, lr=0.1)
+    return time.perf_counter() - t0
 
 
 def _percentiles(ns):
@@ -209,11 +230,15 @@ def main(argv=None) -> int:
     ap.add_argument("--burst", type=int, default=50_000)
     ap.add_argument("--rate", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--complete", default="5000,50000", help="reports per rank of each run of part 5")
+    ap.add_argument("--parts", default="cost,overhead,burst,paced,complete")
     ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_report.md")))
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     import dask
 
-    # the pipeline's own cost and speed, not the per-rank cap on bursts (ddp.events.max-bytes-per-interval,
+    budget = dask.config.get("ddp.events.max-bytes-per-interval")  # part 5 runs with it
+    # the pipeline's own cost and speed, not the per-rank budget (ddp.events.max-bytes-per-interval,
     # benchmarks/bench_report_flood.py): a tight loop of reports would pass it
     dask.config.set({"ddp.events.max-bytes-per-interval": 1 << 30})
 
@@ -225,33 +250,77 @@ def main(argv=None) -> int:
         run_job(client, lambda: None, warm=False)  # no spares yet: start the first rank processes
         flush = dask.config.get("ddp.events.flush-interval")
 
-        _, costs = run_job(client, report_cost, args.calls)
-        sampler = Sampler()
-        sampler.start()
-        _, over = run_job(client, step_overhead, args.blocks, args.steps)
-        sampler.finish()
-        training = {(o["pid"], o["pid"]) for o in over}  # the ranks' main threads: measured by the ranks
-        arrivals = Arrivals()
-        job, firsts = run_job(client, burst, args.burst, callbacks=[arrivals])
-        n_burst = len(job.metrics)
-        elapsed = arrivals.rows[-1][0] - min(firsts)
-        lag = Arrivals()
-        job_paced, _ = run_job(client, paced, args.rate, args.seconds, callbacks=[lag])
-        delays = [(got - sent) * 1000 for got, sent in lag.rows]
+        rows = []
+        if "cost" in parts:
+            _, costs = run_job(client, report_cost, args.calls)
+            rows += cost_rows(costs, args.calls)
+        if "overhead" in parts:
+            sampler = Sampler()
+            sampler.start()
+            _, over = run_job(client, step_overhead, args.blocks, args.steps)
+            sampler.finish()
+            rows += overhead_rows(over, sampler)
+        if "burst" in parts:
+            arrivals = Arrivals()
+            job, firsts = run_job(client, burst, args.burst, callbacks=[arrivals])
+            n_burst, elapsed = len(job.metrics), arrivals.rows[-1][0] - min(firsts)
+            rows.append((f"events/s, 2 ranks x {args.burst:,} reports to the client's callback",
+                         f"{n_burst / elapsed:,.0f}", "", f"{n_burst:,} events in {elapsed:.2f} s"))
+        if "paced" in parts:
+            lag = Arrivals()
+            run_job(client, paced, args.rate, args.seconds, callbacks=[lag])
+            delays = [(got - sent) * 1000 for got, sent in lag.rows]
+            rows.append((f"delay report() -> client callback, 2 ranks x {args.rate}/s for {args.seconds:g} s (ms)",
+                         f"{statistics.median(delays):.0f}", f"{pct(delays, 0.99):.0f}",
+                         f"{len(delays):,} events; max {max(delays):.0f}; ddp.events.flush-interval {flush} s"))
+        if "complete" in parts:
+            with dask.config.set({"ddp.events.max-bytes-per-interval": budget}):
+                for n in map(int, args.complete.split(",")):
+                    job, walls = run_job(client, tight_loop, n)
+                    rows.append(complete_row(job, walls, n, budget))
 
+    head = ("| measure | median | p99 | notes |", "|---|---|---|---|")
+    table = "\n".join(head + tuple(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows))
+    publish("report() benchmark", table, args.out, f"torch {__import__('torch').__version__}")
+    return 0
+
+
+def complete_row(job, walls, n, budget):
+    """Part 5's row: rows kept and in order, the loop's wall time on the ranks, the waits job.history names."""
+    import re
+
+    m = job.metrics
+    in_order = all(m.loc[m["rank"] == r, "step"].tolist() == list(range(n)) for r in (0, 1))
+    waited = [c for *_, c in job.history if "waited for room" in c]
+    seconds = re.search(r"([0-9.]+) s in all", waited[-1]).group(1) if waited else "0"
+    return (f"tight loop at the default limits ({budget:,} bytes a flush interval), 2 ranks x {n:,} reports of 3 "
+            "keys: rows in job.metrics", f"{len(m):,} of {2 * n:,}", "",
+            f"{'every rank in order' if in_order else 'NOT complete and in order'}; the loop took "
+            f"{' / '.join(f'{w:.2f}' for w in walls)} s on the ranks; report() waited {seconds} s in all; "
+            f"dropped {sum(job.dropped.values()):,}")
+
+
+def cost_rows(costs, calls):
     rows = []
     for rank, c in enumerate(costs):
-        rows.append((f"report() on the training thread, rank {rank}, {args.calls:,} calls (us)",
+        rows.append((f"report() on the training thread, rank {rank}, {calls:,} calls (us)",
                      f"{c['report']['median']:.1f}", f"{c['report']['p99']:.1f}",
                      f"mean {c['report']['mean']:.1f}, max {c['report']['max']:.0f}; timer alone: median "
                      f"{c['timer']['median']:.2f}, p99 {c['timer']['p99']:.2f}"))
+    return rows
+
+
+def overhead_rows(over, sampler):
+    rows = []
+    training = {(o["pid"], o["pid"]) for o in over}  # the ranks' main threads: measured by the ranks
     for rank, o in enumerate(over):
         pairs = sorted(o["pairs"])
         mean, half = _mean_ci(pairs)
         rows.append((f"CNN step, rank {rank}: without report -> with report every step (ms)",
                      f"{o['off'] * 1000:.2f} -> {o['on'] * 1000:.2f}", "",
-                     f"overhead (goal < 1 %): median of {len(pairs)} paired blocks {statistics.median(pairs) * 100:+.2f} %"
-                     f" (middle half {pct(pairs, 0.25) * 100:+.1f} to {pct(pairs, 0.75) * 100:+.1f} %), mean "
+                     f"overhead (goal < 1 %): median of {len(pairs)} paired blocks "
+                     f"{statistics.median(pairs) * 100:+.2f} % (middle half {pct(pairs, 0.25) * 100:+.1f} to "
+                     f"{pct(pairs, 0.75) * 100:+.1f} %), mean "
                      f"{mean * 100:+.2f} % (95 % CI {(mean - half) * 100:+.2f} to {(mean + half) * 100:+.2f} %); time "
                      f"inside report() {o['inside'] * 100:.3f} % of the loop"))
     # Off the training thread: every other thread of the cluster, reporting blocks against their partners
@@ -277,16 +346,7 @@ def main(argv=None) -> int:
                  f"95 % CI up to {(worst + worst_half + bg_mean + bg_half) * 100:+.2f} %; a rank waits for the "
                  "slower one every step, so CPU taken from either delays both: at most one core-second of delay "
                  "per core-second taken"))
-    rows.append((f"events/s, 2 ranks x {args.burst:,} reports to the client's callback",
-                 f"{n_burst / elapsed:,.0f}", "", f"{n_burst:,} events in {elapsed:.2f} s"))
-    rows.append((f"delay report() -> client callback, 2 ranks x {args.rate}/s for {args.seconds:g} s (ms)",
-                 f"{statistics.median(delays):.0f}", f"{pct(delays, 0.99):.0f}",
-                 f"{len(delays):,} events; max {max(delays):.0f}; ddp.events.flush-interval {flush} s"))
-
-    head = ("| measure | median | p99 | notes |", "|---|---|---|---|")
-    table = "\n".join(head + tuple(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows))
-    publish("report() benchmark", table, args.out, f"torch {__import__('torch').__version__}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

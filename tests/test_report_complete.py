@@ -91,6 +91,43 @@ def test_three_thousand_reports_0_2_ms_apart_arrive_complete(client):
     complete_in_order(job.metrics.to_dict("records"), 3_000)
 
 
+def fails_once(n):
+    """Report ``n`` times; rank 1 then fails in the first attempt (the job restarts)."""
+    for i in range(n):
+        dask_ddp.report(loss=1.0 / (i + 1), acc=i / n, lr=0.1)
+    ctx = dask_ddp.get_context()
+    if ctx.restart_count == 0 and ctx.rank == 1:
+        raise RuntimeError("rank 1 fails in the first attempt")
+    return n
+
+
+@pytest.mark.slow
+def test_a_restarted_job_keeps_every_report_of_each_attempt_in_order(client):
+    with dask.config.set({"ddp.echo-logs": False}):
+        job = run(client, fails_once, N, max_restarts=1)
+        assert job.result(timeout=180) == [N, N]
+    rows = job.metrics.to_dict("records")
+    complete_in_order([r for r in rows if r["attempt"] == 1], N)
+    first = {rank: [r["step"] for r in rows if r["attempt"] == 0 and r["rank"] == rank] for rank in (0, 1)}
+    assert first[1] == list(range(N))  # it reported everything before it failed
+    assert first[0] == list(range(len(first[0])))  # stopped by the failure: what it sent, in order
+    assert job.dropped == {}
+
+
+@pytest.mark.slow
+def test_a_detached_job_keeps_every_report_in_the_scheduler_for_its_client(client):
+    from _cluster import detached
+
+    name = f"complete-{time.time_ns() % 10**8}"
+    with detached(client, name), dask.config.set({"ddp.echo-logs": False}):
+        job = run(client, tight_loop, N, name=name, detach=True)
+        assert job.result(timeout=180) == [N, N]
+        complete_in_order(job.metrics.to_dict("records"), N)
+        again = dask_ddp.attach(client, name)
+        assert again.result(timeout=60) == [N, N]
+        complete_in_order(again.metrics.to_dict("records"), N)
+
+
 # ---- the parts, alone -------------------------------------------------------------------------------------------
 
 class Clock:
@@ -350,3 +387,12 @@ def test_a_rank_flooding_other_kinds_leaves_the_scheduler_flat(client):
     causes = " ".join(cause for *_, cause in job.history)
     for reason in ("size", "shape", "count", "rate"):  # each named where people look
         assert limits.why(reason) in causes, reason
+
+
+def test_the_record_takes_drop_counts_a_rank_forged_without_failing_the_job():
+    record = JobRecord("r-0a1b2c3d")
+    with pytest.warns(dask_ddp.DaskDDPWarning):
+        record.add([item("dropped", what="report", reason="{boom}", count="many"),
+                    item("dropped", what="line", reason="rate", count=-5), item("throttled", seconds="long")])
+    assert record.dropped == {0: 0} and record.throttled == {0: 0.0}
+    assert any("{boom}" in cause for *_, cause in record.history)

@@ -146,7 +146,8 @@ class JobRecord:
                 self._count_throttled(it)
             if it.get("kind") != "dropped":
                 continue
-            rank, count, what, reason = it.get("rank"), int(it.get("count") or 0), it.get("what"), it.get("reason")
+            rank, count, what, reason = it.get("rank"), it.get("count"), it.get("what"), it.get("reason")
+            count = count if type(count) is int and count > 0 else 0  # a rank's code could send any value
             self.dropped[rank] = self.dropped.get(rank, 0) + count
             first = (what, reason) not in self.drop_reasons
             self.drop_reasons[what, reason] = self.drop_reasons.get((what, reason), 0) + count

@@ -207,8 +207,10 @@ class EventLimits:
         return 4 * self.interval_bytes
 
     def why(self, reason: str) -> str:
-        """The text of a drop reason, with this limit's value."""
-        return DROP_REASONS.get(reason, reason).format(**self.__dict__)
+        """The text of a drop reason, with this limit's value (a reason it does not know, as it is: a rank's code
+        could send any text)."""
+        text = DROP_REASONS.get(reason)
+        return str(reason) if text is None else text.format(**self.__dict__)
 
     def report_fault(self, values: dict, size: int) -> str | None:
         """Why a report of ``values`` (``size`` bytes by :func:`item_size`) is dropped whole, or None."""
