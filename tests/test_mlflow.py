@@ -92,7 +92,7 @@ KEY, SECRET = "AKIAEXAMPLE", "SECRETKEY"
 URL = f"s3://{KEY}:{SECRET}@bucket/x"
 
 
-def read_data(data, storage_options, loaders=()):
+def read_data(data, storage_options, loaders=(), **more):
     """What a training function over S3 takes: a URL and its storage options (reports once, opens nothing)."""
     dask_ddp.report(loss=1.0)
     return dask_ddp.get_context().rank
@@ -105,9 +105,13 @@ def test_credentials_in_a_jobs_arguments_and_options_never_reach_mlflow(client, 
     options = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
     sink = dask_ddp.MLflowSink(store, experiment="secrets", params={"source": URL, "token": "tok-12345"},
                                tags={"data": URL})
+    import argparse
+
+    presigned = f"https://bucket.s3.amazonaws.com/x?X-Amz-Credential={KEY}%2F20250101&X-Amz-Signature=sig{SECRET}"
     job = run(client, read_data, URL, storage_options=options, loaders=[{"password": SECRET}], callbacks=[sink],
               checkpoint_dir=f"s3://{KEY}:{SECRET}@bucket/ckpt", checkpoint_options={"key": KEY, "secret": SECRET},
-              name="secrets")
+              name="secrets", cli=argparse.Namespace(aws_secret_access_key=f"ns{SECRET}", epochs=2),
+              environment=f"AWS_SECRET_ACCESS_KEY=env{SECRET} AWS_REGION=x", shard=presigned, hub="hf_" + "Ab3" * 10)
     assert job.result(timeout=300) == [0, 1]
 
     reader = mlflow.MlflowClient(tracking_uri=store)
@@ -120,6 +124,10 @@ def test_credentials_in_a_jobs_arguments_and_options_never_reach_mlflow(client, 
     assert (found.data.params["token"], found.data.tags["data"]) == ("***", "s3://***@bucket/x")
     assert found.data.params["loaders"] == "[{'password': '***'}]"
     assert found.data.params["name"] == "secrets"
+    assert found.data.params["cli"] == "Namespace(aws_secret_access_key='***', epochs=2)"
+    assert found.data.params["environment"] == "AWS_SECRET_ACCESS_KEY=*** AWS_REGION=x"
+    assert found.data.params["shard"] == "https://bucket.s3.amazonaws.com/x?X-Amz-Credential=***&X-Amz-Signature=***"
+    assert found.data.params["hub"] == "***"
 
 
 def test_a_metric_named_with_credentials_is_sent_masked():
@@ -135,3 +143,69 @@ def test_a_metric_named_with_credentials_is_sent_masked():
     sink._client, sink.run_id = Keeper(), "run"
     sink.on_metrics({"kind": "metric", "rank": 1, "step": 2, "time": time.time(), f"read {URL}": 1.0, "loss": 0.5})
     assert sorted(m.key for m in sink._client.metrics) == ["loss/rank1", "read s3://***@bucket/x/rank1"]
+
+
+def test_secrets_in_config_objects_urls_assignments_and_tokens_are_masked():
+    """What the masking of the logs did not catch: a dataclass's, a ``Namespace``'s (and ``SimpleNamespace``'s,
+    a named tuple's) secret-looking fields, presigned URLs' signatures and credentials, ``KEY=value`` texts,
+    and tokens known by their form; through the sink's own parameters, tags, run and metric names."""
+    import argparse
+    import dataclasses
+    from types import SimpleNamespace
+    from typing import NamedTuple
+
+    from dask_ddp.observe.mlflow_sink import shown
+
+    @dataclasses.dataclass
+    class Config:
+        lr: float = 0.1
+        hf_token: str = "cfg-token-4242"
+        store: dict = dataclasses.field(default_factory=lambda: {"password": "cfg-password-4242"})
+
+    class Pair(NamedTuple):
+        secret: str
+        size: int
+
+    presigned = ("https://bucket.s3.amazonaws.com/x.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                 "&X-Amz-Credential=AKIAPRESIGNED4242%2F20250101%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Date=20250101T000000Z"
+                 "&X-Amz-Expires=3600&X-Amz-Security-Token=FwoGZXIvYXdzEPRESIGNED4242"
+                 "&X-Amz-Signature=fe5f80f77d5fa3beca038a248ff027d0445342fe2855ddc963176630326f4242")
+    tokens = {"github": "ghp_" + "a1B2" * 9, "hugging face": "hf_" + "Zx9" * 11, "openai": "sk-proj-" + "Q7w" * 8,
+              "aws key id": "AKIAIOSFODNN74242XYZ",
+              "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiI0MjQyIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THs4242"}
+    secrets = ["cfg-token-4242", "cfg-password-4242", "ns-secret-4242", "simple-key-4242", "pair-secret-4242",
+               "AKIAPRESIGNED4242", "EPRESIGNED4242", "630326f4242", "azure-sig-4242", "v2-signature-4242",
+               "env-secret-4242", "flag-key-4242", *tokens.values()]
+    values = {
+        "config": Config(), "args": argparse.Namespace(aws_secret_access_key="ns-secret-4242", epochs=3),
+        "simple": SimpleNamespace(api_key="simple-key-4242"), "pair": [Pair("pair-secret-4242", 2)],
+        "shard_url": presigned, "azure": "https://a.blob.core.windows.net/c/x?sv=2022&sp=r&sig=azure-sig-4242",
+        "v2": "https://s3.amazonaws.com/b/x?AWSAccessKeyId=AKIAV2&Expires=9&Signature=v2-signature-4242",
+        "env": "AWS_SECRET_ACCESS_KEY=env-secret-4242 AWS_REGION=eu-west-1",
+        "command": "train.py --api-key flag-key-4242 --epochs 3", **{f"{k} token": v for k, v in tokens.items()},
+        "note": "tokenizer=gpt2 max_tokens=512 lr=0.1",
+    }
+    logged = shown(values)
+    assert not [(k, v) for k, v in logged.items() for s in secrets if s in v or s in k], logged
+    assert logged["config"] == "test_secrets_in_config_objects_urls_assignments_and_tokens_are_masked.<locals>." \
+        "Config(lr=0.1, hf_token='***', store={'password': '***'})"
+    assert logged["args"] == "Namespace(aws_secret_access_key='***', epochs=3)"
+    assert "X-Amz-Credential=***" in logged["shard_url"] and "X-Amz-Signature=***" in logged["shard_url"]
+    assert "X-Amz-Expires=3600" in logged["shard_url"]  # what is not secret stays readable
+    assert logged["env"] == "AWS_SECRET_ACCESS_KEY=*** AWS_REGION=eu-west-1"
+    assert logged["command"] == "train.py --api-key *** --epochs 3"
+    assert logged["note"] == "tokenizer=gpt2 max_tokens=512 lr=0.1"  # words that only contain "token"
+
+    class Keeper:
+        def __init__(self):
+            self.metrics = []
+
+        def log_batch(self, run_id, metrics=()):
+            self.metrics.extend(metrics)
+
+    sink = dask_ddp.MLflowSink(flush_interval=0)
+    sink._client, sink.run_id = Keeper(), "run"
+    sink.on_metrics({"kind": "metric", "rank": 0, "step": 1, "time": time.time(), f"read {presigned}": 1.0,
+                     f"with {tokens['github']}": 2.0})
+    names = [m.key for m in sink._client.metrics]
+    assert not [n for n in names for s in secrets if s in n], names

@@ -17,19 +17,28 @@ report's step and time (TensorBoardSink's names); metrics are sent in batches of
 ``flush_interval`` seconds and at the end. A failing tracking server is logged by the job, which disables
 the sink and trains on.
 
-No credential reaches the tracking server, by the rules the logs follow (:func:`dask_ddp.data.storage.redact`):
-a parameter or tag whose name looks secret (``key``, ``secret``, ``token``, ``password``, ...) is logged as
-``***``, so is such an entry of a dict (``storage_options={"key": ..., "secret": ...}``, at any depth, in lists
-too), each of those values wherever else it appears, and the userinfo of URLs (``s3://KEY:SECRET@bucket/x``
-becomes ``s3://***@bucket/x``); the run's name and metric names too.
+No credential reaches the tracking server, by the rules the logs follow (:func:`dask_ddp.data.storage.redact`)
+and a few more (:func:`mask_text`): a parameter or tag whose name looks secret (``key``, ``secret``, ``token``,
+``password``, ...) is logged as ``***``, so is such an entry of a dict (``storage_options={"key": ...,
+"secret": ...}``, at any depth, in lists too) or a field of a dataclass, ``argparse.Namespace``,
+``SimpleNamespace`` or named tuple, each of those values wherever else it appears, and the userinfo of URLs
+(``s3://KEY:SECRET@bucket/x`` becomes ``s3://***@bucket/x``). In any text: the value of a secret-looking
+``NAME=value`` (``AWS_SECRET_ACCESS_KEY=...``, ``--api-key ...``, ``"token": "..."``) and of such a URL query
+parameter (presigned URLs' ``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
+``Signature``, ``sig``), ``Bearer`` tokens, private-key blocks, and tokens that say what they are by their
+form (GitHub ``ghp_...``, Hugging Face ``hf_...``, ``sk-...`` API keys, AWS access key ids ``AKIA...``,
+JWTs, Slack, GitLab, Google API keys). The run's name, tags and metric names go through the same masking.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import re
 import threading
 import time
+import types
 from typing import TYPE_CHECKING, Any, Mapping
 
 import cloudpickle
@@ -40,7 +49,7 @@ from dask_ddp.observe.sinks import LEAD
 if TYPE_CHECKING:
     from dask_ddp.client.job import Job
 
-__all__ = ["MLflowSink"]
+__all__ = ["MLflowSink", "mask_text", "shown"]
 
 MAX_BATCH = 1000  # metrics per log_batch call: MLflow's limit
 MAX_PARAM = 500  # characters of a parameter's value: the smallest limit of MLflow's stores
@@ -50,17 +59,68 @@ def _cut(text: str, limit: int | None) -> str:
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
 
 
+#: words of a name that say its value is a secret (``AWS_SECRET_ACCESS_KEY``, ``apiKey``, ``X-Amz-Signature``);
+#: a whole word, so ``tokenizer`` or ``max_tokens`` are not
+SECRET_WORDS = frozenset({"key", "apikey", "accesskey", "secret", "token", "password", "passwd", "pwd", "passphrase",
+                          "credential", "credentials", "auth", "authorization", "signature", "sig", "cookie"})
+_ASSIGNED = re.compile(  # NAME=value, NAME: value, "NAME": "value", --NAME value; a URL's query parameters too
+    r"""(?P<head>(?P<q>["']?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)[ \t]*(?:=|:(?!//))[ \t]*"""
+    r"""|--(?P<flag>[A-Za-z][\w.-]*)[ \t]+)(?P<value>"[^"]*"|'[^']*'|[^\s&,;'"()\[\]{}<>]+)""")
+_TOKENS = re.compile("|".join((
+    r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----",
+    r"(?<=\bBearer )[A-Za-z0-9._~+/=-]+", r"(?<=\bbearer )[A-Za-z0-9._~+/=-]+", r"(?<=\bBasic )[A-Za-z0-9+/=]{8,}",
+    r"\b(?:gh[pousr]|github_pat)_[A-Za-z0-9_]{20,}", r"\bhf_[A-Za-z0-9]{20,}",
+    r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{16,}", r"\b[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}",
+    r"\b(?:AKIA|ASIA|AIDA|AROA|AGPA|ANPA)[A-Z0-9]{16}\b", r"\beyJ[\w-]{5,}\.eyJ[\w-]{5,}\.[\w-]*",
+    r"\bxox[abposr]-[A-Za-z0-9-]{10,}", r"\bglpat-[A-Za-z0-9_-]{20,}", r"\bAIza[0-9A-Za-z_-]{35}\b",
+    r"\bnpm_[A-Za-z0-9]{36}\b")))
+
+
+def _secret_name(name: str) -> bool:
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)
+    return any(w.lower() in SECRET_WORDS for w in words) or name.lower() in SECRET_WORDS
+
+
+def _masked_value(m: re.Match) -> str:
+    if not _secret_name(m["name"] or m["flag"]):
+        return m[0]
+    value = m["value"]
+    return m["head"] + (value[0] + "***" + value[0] if value[:1] in "\"'" and len(value) > 1 else "***")
+
+
+def mask_text(text: str, secrets: Mapping | None = None) -> str:
+    """``text`` as MLflow may show it: redacted by :func:`~dask_ddp.data.storage.redact` (URL userinfo; each secret
+    value of ``secrets``), then the value of each secret-looking ``NAME=value`` (or ``NAME: value``, ``--NAME value``,
+    a URL query parameter such as ``X-Amz-Signature``) and each token known by its form (``ghp_...``, ``hf_...``,
+    ``sk-...``, ``AKIA...``, JWTs, ``Bearer ...``, ``Basic ...``, private-key blocks) given as ``***``. Raises
+    nothing."""
+    return _ASSIGNED.sub(_masked_value, _TOKENS.sub("***", redact(text, secrets)))
+
+
+def _fields(value: Any) -> Mapping | None:
+    """A config object's fields by name (a dataclass, ``argparse.Namespace``, ``SimpleNamespace``, a named
+    tuple), else None: their reprs show every field, so their secret-looking names are masked as a dict's."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+    if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+        return dict(vars(value))
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return dict(value._asdict())
+    return None
+
+
 def _mappings(value: Any, found: list, depth: int = 0) -> list:
-    """Every dict in ``value`` (itself, in lists, tuples, sets, dataclasses, nested): where secrets are named."""
+    """Every dict in ``value`` (itself, in lists, tuples, sets, config objects' fields, nested): where secrets
+    are named."""
     if depth > 8:
         return found
+    if (fields := _fields(value)) is not None:
+        value = fields
     if isinstance(value, Mapping):
         found.append(value)
         inner: Any = value.values()
     elif isinstance(value, (list, tuple, set, frozenset)):
         inner = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object: its repr shows all
-        inner = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
     else:
         return found
     for v in inner:
@@ -72,18 +132,19 @@ def shown(values: Mapping, limit: int | None = MAX_PARAM) -> dict[str, str]:
     """``values`` (parameters or tags) as text for MLflow, masked as the logs are.
 
     Secret-looking names give ``***`` (:func:`~dask_ddp.data.storage.masked`); every value of a secret-looking
-    name in any dict within them, and the userinfo of URLs, are masked wherever they appear
-    (:func:`~dask_ddp.data.storage.redact`); then each text is cut to ``limit`` characters (never before: a
-    secret cut in two would no longer be found).
+    name in any dict or config object (dataclass, ``Namespace``) within them, and the userinfo of URLs, are
+    masked wherever they appear, and so are secret-looking ``NAME=value`` texts and known tokens
+    (:func:`mask_text`); then each text is cut to ``limit`` characters (never before: a secret cut in two would
+    no longer be found).
     """
     secrets = {str(i): m for i, m in enumerate(_mappings(dict(values), []))}  # where redact finds secret values
-    return {str(k)[:250]: _cut(redact(v if isinstance(v, str) else repr(v), secrets), limit)
+    return {mask_text(str(k))[:250]: _cut(mask_text(v if isinstance(v, str) else repr(v), secrets), limit)
             for k, v in masked(values).items()}
 
 
 @functools.lru_cache(maxsize=1024)
 def _metric_name(key: str, rank: int) -> str:
-    return redact(f"{key}/rank{rank}")
+    return mask_text(f"{key}/rank{rank}")
 
 
 def _job_values(job) -> dict[str, Any]:
@@ -155,7 +216,7 @@ class MLflowSink:
             name = self.run_name or getattr(job, "name", None)
             tags = shown(self.tags, limit=None) | ({"dask_ddp.run_id": job.run_id} if job is not None else {})
             self.run_id = self._client.create_run(experiment_id, tags=tags,
-                                                  run_name=None if name is None else redact(name)).info.run_id
+                                                  run_name=None if name is None else mask_text(name)).info.run_id
             self._log_params(shown((_job_values(job) if job is not None else {}) | self.params))
 
     def on_metrics(self, event: dict) -> None:
@@ -208,5 +269,5 @@ class MLflowSink:
             self._client.log_batch(self.run_id, metrics=pending[i:i + MAX_BATCH])
 
     def __repr__(self) -> str:
-        uri = None if self.tracking_uri is None else redact(self.tracking_uri)
+        uri = None if self.tracking_uri is None else mask_text(self.tracking_uri)
         return f"MLflowSink({uri!r}, experiment={self.experiment!r})"

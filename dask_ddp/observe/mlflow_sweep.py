@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dask_ddp.data.storage import redact
-from dask_ddp.observe.mlflow_sink import MLflowSink, shown
+from dask_ddp.observe.mlflow_sink import MLflowSink, mask_text, shown
 
 __all__ = ["SweepRuns"]
 
@@ -45,7 +44,8 @@ class SweepRuns:
             self._client = MlflowClient(tracking_uri=self.sink.tracking_uri)
             found = self._client.get_experiment_by_name(self.sink.experiment)
             experiment = found.experiment_id if found else self._client.create_experiment(self.sink.experiment)
-            run = self._client.create_run(experiment, run_name=redact(self.name), tags={"dask_ddp.sweep": self.name})
+            run = self._client.create_run(experiment, run_name=mask_text(self.name),
+                                          tags={"dask_ddp.sweep": mask_text(self.name)})
             self.parent = run.info.run_id
             from mlflow.entities import Param
 
