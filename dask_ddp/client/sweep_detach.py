@@ -175,7 +175,7 @@ def absolute_storage(storage: Any) -> Any:
     """``storage`` with a relative SQLite path made absolute here, on the client: the detached sweep's driver opens
     it in the scheduler's process, whose working folder is another (``sqlite:///sweep.db`` would be a new, empty
     study there while this client reads its own file). Other storages as they are; the file must be where both
-    processes see it at that path (one machine, or a shared file system)."""
+    processes see it at that path (one machine, or a shared file system). Raises nothing."""
     if not isinstance(storage, str) or not storage.startswith(_SQLITE):
         return storage
     path, sep, query = storage[len(_SQLITE):].partition("?")

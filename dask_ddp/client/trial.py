@@ -142,13 +142,14 @@ class TrialHooks:
 
 
 def failed_text(number: int, run_id: str | None, error: str | None) -> str:
-    """A failed trial's ``error``: which trial and job, and the job's error with its traceback."""
+    """A failed trial's ``error``: which trial and job, and the job's error with its traceback. Raises nothing."""
     return f"trial {number} (job {run_id}) failed:\n{error}"
 
 
 def job_error(job) -> tuple[str | None, bytes | None]:
     """The job's error with its traceback (None when it finished), and a rank's exception that its driver kept
-    pickled (a detached sweep's trial, in the scheduler's process: see :mod:`dask_ddp.client.sweep_detach`)."""
+    pickled (a detached sweep's trial, in the scheduler's process: see :mod:`dask_ddp.client.sweep_detach`).
+    Waits up to 60 s for the job's end; raises nothing."""
     try:
         job.result(timeout=60, progress=False)
     except BaseException as exc:  # noqa: BLE001 - the rank's own exception, JobCancelledError, ...
