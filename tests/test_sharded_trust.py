@@ -206,6 +206,11 @@ def test_a_value_weights_only_cannot_read_back_is_refused_at_save_and_nothing_is
     assert "rank 0: the value at 'best'" in text and "weights_only=True" in text and ".item()" in text, text
     assert "add_safe_globals" in text and "Nothing of this step is committed" in text, text
     assert list_sharded(str(tmp_path)) == []
+    assert dask_ddp.save_sharded({"model": _build(), "best": np.float64(1)}, 1, directory=str(tmp_path),
+                                 async_save=True) is None  # float64: a float, staged
+    with pytest.raises(TypeError, match="rank 0: the value at 'best'"):  # an async save: raised by the next call
+        dask_ddp.wait_sharded()
+    assert list_sharded(str(tmp_path)) == []
     dask_ddp.save_sharded({"model": _build(), "best": 0.25, "rng": dask_ddp.rng_state()}, 1, directory=str(tmp_path))
     assert read_sharded(str(tmp_path))[1]["best"] == 0.25
 
