@@ -151,6 +151,10 @@ def test_the_budget_gives_a_burst_at_once_then_its_rate_and_owes_in_call_order()
     assert [budget.reserve(1000) for _ in range(3)] == [1.0, 2.0, 3.0]  # each waits behind the one before
     clock.now += 3.0
     assert budget.reserve(0) == 0.0 and not budget.take(1)  # the debt is paid, nothing spare
+    idle = Budget(rate=1000.0, burst=5000, clock=clock)
+    clock.now += 100.0
+    idle.used += 5000  # the fast path (report()'s) empties the full bucket without a refill...
+    assert not idle.take(1)  # ...and the refill after it credits no second burst for the idle time
     unbounded = Budget.per_interval(4096, 0.0, 4096, clock)  # a flush interval of 0: no bound
     assert all(unbounded.take(4096) for _ in range(100)) and unbounded.reserve(10**9) == 0.0
     assert Budget.per_interval(4096, 2.0, 1, clock).rate == 2048
@@ -182,6 +186,29 @@ def test_report_past_the_budget_waits_for_room_keeps_every_report_in_order_and_s
     assert waited["rank"] == 1 and waited["attempt"] == 2 and waited["calls"] > 1000
     assert 0.5 * (sent - paced.limits.burst_bytes) / rate <= waited["seconds"] <= took
     assert paced.drain() == []  # said once
+
+
+def test_a_rank_under_its_rate_never_waits_however_long_it_reports():
+    """The fast path never reads the clock; the flusher refills every tick, so a rank reporting at half its rate
+    for five times its burst's worth never finds the bucket short (a bucket refilled only when short would be:
+    it cannot credit what it earned while it was full)."""
+    limits = EventLimits(interval_bytes=2048)  # 8 KiB at once, then 2 KiB every 50 ms: 40 KB/s
+    buf = reporting.EventBuffer(rank=0, attempt=0, limits=limits, interval=0.05)
+    sent: list[dict] = []
+    flusher = reporting.Flusher(buf, sent.extend, 0.05)
+    saved, reporting._BUFFER = reporting._BUFFER, buf
+    flusher.start()
+    try:
+        size = item_size({"kind": "metric", "rank": 0, "attempt": 0, "step": 0, "time": 0.0, "loss": 0.5})
+        gap = size / 20_000  # half the rate
+        for i in range(int(5 * limits.burst_bytes / size)):
+            dask_ddp.report(loss=0.5)
+            time.sleep(gap)
+    finally:
+        flusher.stop()
+        reporting._BUFFER = saved
+    assert sum(it["kind"] == "metric" for it in sent) == i + 1
+    assert [it for it in sent if it["kind"] == "throttled"] == []
 
 
 def test_reports_from_several_threads_all_arrive_and_log_records_are_dropped_not_waited_for(paced):

@@ -121,6 +121,12 @@ class EventBuffer:
         """Pace the budget by ``interval`` (the rank's flush interval), full again: before the job's code runs."""
         self.budget = self._budget(interval)
 
+    def refill(self) -> None:
+        """Credit the budget with the time since its last refill: the flusher does, every tick, since the fast
+        path never reads the clock (a bucket refilled only when short would credit less than it earned)."""
+        with self._room_lock:
+            self.budget.refill()
+
     def add(self, item: dict, size: int | None = None, what: str = "line") -> bool:
         """Queue ``item`` if the budget has room for it now (else count it dropped); True if queued."""
         size = item_size(item) if size is None else size
@@ -320,6 +326,7 @@ class Flusher(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.wait(min(TICK, self.interval)):
+            self.buf.refill()
             now = time.monotonic()
             if self.buf.items or self.buf.dropped:
                 if now - self._sent >= self.interval:

@@ -228,16 +228,19 @@ class Budget:
 
     Two counters that only grow, ``used`` (bytes taken) and ``granted`` (bytes that may be taken so far), so
     that the fast path of a caller in a hurry (``report()``) is one comparison, ``used + size <= granted``,
-    and one addition, without a call or a clock; only when that fails does :meth:`take` or :meth:`reserve`
-    read the clock and refill. Not locked: the rank serialises its slow path, the worker calls it under the
-    relay's lock; an addition lost to a race on the fast path lets a few bytes more through, which the
-    worker's twice-as-large budget absorbs.
+    and one addition, without a call or a clock. :meth:`take` and :meth:`reserve` refill first. A refill
+    credits the time since the last one but never more than ``burst`` past what was used at the last one:
+    bytes taken on the fast path meanwhile may have been taken from a full bucket, so over any window of
+    ``t`` seconds at most ``burst + rate * t`` bytes pass, whoever refills when; whoever takes on the fast
+    path refills often (the rank's flusher, every tick) so that the bucket is not left short. Not locked: the
+    rank serialises its slow path, the worker calls it under the relay's lock; an addition lost to a race on
+    the fast path lets a few bytes more through, which the worker's twice-as-large burst absorbs.
     """
 
     def __init__(self, rate: float, burst: float, clock=time.monotonic):
         self.rate, self.burst, self.clock = rate, burst, clock
         self.used, self.granted = 0, burst
-        self._refilled = clock()
+        self._refilled, self._used_then = clock(), 0  # the last refill: when, and what was used by then
 
     @classmethod
     def per_interval(cls, per_interval: int, interval: float, burst: float, clock=time.monotonic) -> "Budget":
@@ -245,18 +248,19 @@ class Budget:
         return cls(per_interval / interval if interval > 0 else float("inf"), burst, clock)
 
     def refill(self) -> None:
-        """Add what the time since the last refill earned, up to ``burst`` unspent."""
+        """Add what the time since the last refill earned, up to ``burst`` past what was used by then."""
         now = self.clock()
-        earned = self.burst if self.rate == float("inf") else (now - self._refilled) * self.rate
-        self.granted = min(self.used + self.burst, self.granted + earned)
-        self._refilled = now
+        if self.rate == float("inf"):  # no bound: a burst past what is used now
+            self.granted = max(self.granted, self.used + self.burst)
+        else:
+            self.granted = min(self._used_then + self.burst, self.granted + (now - self._refilled) * self.rate)
+        self._refilled, self._used_then = now, self.used
 
     def take(self, size: int) -> bool:
-        """Take ``size`` bytes if the bucket holds them now; False (nothing taken) if it does not."""
+        """Take ``size`` bytes if the bucket holds them now (refilled first); False (nothing taken) if not."""
+        self.refill()
         if self.used + size > self.granted:
-            self.refill()
-            if self.used + size > self.granted:
-                return False
+            return False
         self.used += size
         return True
 
