@@ -332,7 +332,8 @@ def check_no_stranger_gets_in(text: str, command: psutil.Process, workers: list[
 
 
 def _stop_tree(proc: subprocess.Popen, procs: list[psutil.Process]) -> None:
-    """SIGTERM to ``proc``'s session, up to 30 s, then SIGKILL to it and to every process in ``procs`` left."""
+    """SIGTERM to ``proc``'s session, up to 30 s, then SIGKILL to it; up to 30 s for every process in ``procs``
+    to end (the workers' resource trackers remove their semaphores last), then SIGKILL to what is left."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -340,7 +341,8 @@ def _stop_tree(proc: subprocess.Popen, procs: list[psutil.Process]) -> None:
             proc.wait(30)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    for p in procs:
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
     proc.wait(10)
