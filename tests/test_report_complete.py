@@ -32,7 +32,7 @@ from _cluster import run
 import dask_ddp
 from dask_ddp.client.record import JobRecord
 from dask_ddp.rank import reporting
-from dask_ddp.wire.events import Budget, EventLimits, flat_size, item_size, items_of
+from dask_ddp.wire.events import Budget, EventLimits, clip_line, flat_size, item_size, items_of
 from dask_ddp.wire.task import topic_of
 from dask_ddp.worker.relay import Gate, Relay
 
@@ -252,6 +252,11 @@ def test_the_gate_counts_every_kind_and_lets_the_small_necessary_ones_pass_bound
                        item("metric", step=2, **{"x" * 2000: 1.0})]) == []
     assert gate.take_dropped() == {("item", "size"): 3, ("report", "shape"): 3, ("line", "shape"): 1,
                                    ("item", "shape"): 2, ("report", "size"): 1}
+    # the longest log record a rank makes passes: cut to MAX_LINE characters, then escaped (a lone surrogate
+    # becomes 6 characters), counted 4 bytes a character when not ASCII
+    for text in ("\udcff" * 20_000, "\udce9é" * 15_000, "é" * 30_000):
+        record = item("log", stream="logging", level="WARNING", line=clip_line(text))
+        assert Gate(EventLimits(), 1.0, clock).admit([record]) == [record]
     # the pipe: twice the rank's burst at once, then its rate; other kinds count against it as reports do
     small = [item("junk", n=i) for i in range(10_000)]
     passed = sum(map(flat_size, gate.admit(small)))

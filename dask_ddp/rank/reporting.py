@@ -14,7 +14,7 @@ a report past a limit of its own (keys, a name's length, its bytes) is dropped
 (the step still counts, and preemption still stops at it), and the next batch
 carries the count of what was dropped, and why. The rank's bytes are paced by
 a token bucket (:class:`~dask_ddp.wire.events.Budget`): four flush intervals'
-worth at once (``4 x ddp.events.max-bytes-per-interval``, about 10,000 small
+worth at once (``4 x ddp.events.max-bytes-per-interval``, 8,000-10,000 small
 reports), then one interval's worth per interval. A report past it is not
 dropped: ``report()`` waits until the bucket has earned its bytes (at most
 ``size / rate``, under 0.1 s at the defaults; the wait reads the clock, never
@@ -198,8 +198,8 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     or, while the rank reports often, as one batch every
     ``ddp.events.flush-interval`` (1 s). Every report reaches
     ``job.metrics`` and the sinks, in order. A rank's reports are paced:
-    up to ``4 x ddp.events.max-bytes-per-interval`` (1 MiB, about 10,000 small
-    reports) at once, then ``max-bytes-per-interval`` (256 KiB, about 2,000
+    up to ``4 x ddp.events.max-bytes-per-interval`` (1 MiB, 8,000 to 10,000
+    small reports) at once, then ``max-bytes-per-interval`` (256 KiB, about 2,000
     to 3,000 small reports) a flush interval; past that a call waits until the
     rank's budget has room for it (at most ``size / rate``: under 0.1 s at the
     defaults), and ``job.history`` says how long the reports waited. A report
@@ -312,7 +312,9 @@ class Flusher(threading.Thread):
     Items after a quiet spell go within a tick (0.1 s); while a rank reports
     often they go as one batch per ``interval``. Each batch costs the worker,
     scheduler and client about the same whatever its size, so this bounds what
-    reporting every step costs, and a rare report still arrives at once.
+    reporting every step costs, and a rare report still arrives at once. Each
+    tick it also refills the buffer's budget (``report()`` never reads the clock
+    on its fast path).
     """
 
     def __init__(self, buf: EventBuffer, send: Callable[[list], None], interval: float, sampler=None):

@@ -51,7 +51,9 @@ logger = logging.getLogger("dask_ddp")
 TICK = 0.1  # seconds between the relay's looks at what is queued
 SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort call to the scheduler may take (a job's end waits for it)
 CONTROL = frozenset({"telemetry", "dropped", "throttled"})  # small items the job relies on: bounded by count
-LINE_BYTES = 4 * MAX_LINE + 1024  # one log record at most (clip_line's cut, 4 bytes a character, its fields)
+# one log record at most, by item_size: clip_line's cut and marker, escaped (a lone surrogate becomes 6
+# characters), 4 bytes a character when not ASCII, and its other fields
+LINE_BYTES = 4 * 6 * (MAX_LINE + 64) + 1024
 
 
 class Gate:
