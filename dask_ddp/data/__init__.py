@@ -2,10 +2,12 @@
 
 Runs in: the rank process and its DataLoader workers (and the client, where a user
 builds a dataset or reads a checkpoint): ``S3ImageFolder`` (:mod:`.image_folder`, over
-one listing :mod:`.folder_index` and an optional :mod:`.blob_cache`), checkpoints
+one listing :mod:`.folder_index` and an optional :mod:`.blob_cache`, in a per-user
+:mod:`.private_folder`), checkpoints
 (:mod:`.checkpoint`), sharded checkpoints over torch DCP (:mod:`.sharded`, with
 :mod:`.sharded_state`, :mod:`.sharded_async`, :mod:`.sharded_folder`, :mod:`.sharded_export`
-and the storage layer :mod:`.dcp_storage` / :mod:`.dcp_reader`) and the filesystem plumbing
+and the storage layer :mod:`.dcp_storage` / :mod:`.dcp_reader`, non-tensor items read safely
+by :mod:`.dcp_values`) and the filesystem plumbing
 they share (:mod:`.storage`).
 
 May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
