@@ -50,7 +50,7 @@ logger = logging.getLogger("dask_ddp")
 
 TICK = 0.1  # seconds between the relay's looks at what is queued
 SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort call to the scheduler may take (a job's end waits for it)
-CONTROL = frozenset({"telemetry", "dropped", "throttled"})  # small items the job relies on: bounded by count
+CONTROL = frozenset({"telemetry", "dropped", "throttled", "forged"})  # small items the job relies on: bounded by count
 # one log record at most, by item_size: clip_line's cut and marker, escaped (a lone surrogate becomes 6
 # characters), 4 bytes a character when not ASCII, and its other fields
 LINE_BYTES = 4 * 6 * (MAX_LINE + 64) + 1024
@@ -65,7 +65,7 @@ class Gate:
       one burst plus that rate, so an honest rank passes whole as long as its batches reach the worker within
       four intervals of being made. A report over ``max-report-bytes`` (+256 for its stamp), a log record over
       :data:`LINE_BYTES`, any other item over ``max-report-bytes`` is dropped whole.
-    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits) pass beside that
+    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits, forged-notice counts) pass beside that
       budget, at most ``control_items`` per interval of at most ``control_bytes`` each.
     - Output lines (the rank's stdout and stderr, from :class:`~dask_ddp.worker.pump.OutputPump`): a budget of
       their own, ``max-bytes-per-interval`` a flush interval (two at once), so that a rank that prints much
