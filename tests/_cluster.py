@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -49,6 +50,33 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
                 raise AssertionError(f"{what} did not hold within {timeout} s (last value: {value!r})")
             return value
         time.sleep(interval)
+
+
+def result_watching_the_scheduler(client, job, held_bytes: Callable, rss0: int, timeout: float = 240):
+    """``job.result(timeout)`` while a thread samples, every 0.25 s, how far this process (it hosts the scheduler
+    and the client) has grown past ``rss0`` and what ``held_bytes(topic)`` says the scheduler holds of the job's
+    topic (run there with ``run_on_scheduler``): returns (result, peak growth in bytes, most bytes held)."""
+    from dask_ddp.wire.task import topic_of
+
+    me, peak, held, stop = psutil.Process(), [0], [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], me.memory_info().rss - rss0)
+            try:
+                held[0] = max(held[0], client.run_on_scheduler(held_bytes, topic_of(job.run_id)))
+            except Exception:  # noqa: BLE001 - the topic is dropped at the job's end
+                pass
+            time.sleep(0.25)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = job.result(timeout=timeout)
+    finally:
+        stop.set()
+        watcher.join()
+    return result, peak[0], held[0]
 
 
 def rank_process_pids(client) -> dict:

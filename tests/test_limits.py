@@ -10,14 +10,13 @@ the process's memory while it floods, and checks that the drops are counted wher
 
 from __future__ import annotations
 
-import threading
 import time
 
 import dask
 import msgpack
 import psutil
 import pytest
-from _cluster import run, wait_until
+from _cluster import result_watching_the_scheduler, run, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,34 +229,16 @@ def dashboard_dropped(run_id: str, dask_scheduler=None) -> int:
 @pytest.mark.slow
 def test_a_flood_of_random_reports_leaves_the_scheduler_bounded_and_is_counted_where_people_look(client):
     shapes = drawn_payloads(60)
-    me = psutil.Process()
-    rss0, peak, held = me.memory_info().rss, [0], [0]
+    rss0 = psutil.Process().memory_info().rss  # this process hosts the scheduler (and the client)
     workers = set(client.scheduler_info(n_workers=-1)["workers"])
     with dask.config.set({"ddp.echo-logs": False}):
         job = run(client, flood, shapes, 8.0)
-    stop = threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            peak[0] = max(peak[0], me.memory_info().rss - rss0)
-            try:
-                held[0] = max(held[0], client.run_on_scheduler(scheduler_held, topic_of(job.run_id)))
-            except Exception:  # noqa: BLE001 - the topic is dropped at the job's end
-                pass
-            time.sleep(0.25)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        outcomes = job.result(timeout=240)
-    finally:
-        stop.set()
-        watcher.join()
+    outcomes, peak, held = result_watching_the_scheduler(client, job, scheduler_held, rss0)
     limits = EventLimits()
     # the stated bounds: the scheduler holds at most the topic's last 1,000 events of at most max-batch-bytes
     # each (+ header), and the scheduler+client process grows by less than 512 MiB (it grew 1.2 GiB before)
-    assert held[0] <= 1000 * (2 * limits.batch_bytes + 200), held[0]
-    assert peak[0] < 512 * 2**20, f"the scheduler+client process grew by {peak[0] / 2**20:.0f} MiB"
+    assert held <= 1000 * (2 * limits.batch_bytes + 200), held
+    assert peak < 512 * 2**20, f"the scheduler+client process grew by {peak / 2**20:.0f} MiB"
     assert set(client.scheduler_info(n_workers=-1)["workers"]) == workers, "a worker was lost"
     assert all(o["ok"] > 0 and o["refused"] > 0 for o in outcomes)
     assert set(job.dropped) == {0, 1} and all(n > 0 for n in job.dropped.values())
@@ -269,5 +250,5 @@ def test_a_flood_of_random_reports_leaves_the_scheduler_bounded_and_is_counted_w
     run_id = job.run_id
     shown = wait_until(lambda: client.run_on_scheduler(dashboard_dropped, run_id), what="the dashboard's count")
     assert shown == sum(job.dropped.values())
-    print(f"scheduler+client grew {peak[0] / 2**20:.0f} MiB at most; the topic held {held[0] / 2**20:.1f} MiB at "
+    print(f"scheduler+client grew {peak / 2**20:.0f} MiB at most; the topic held {held / 2**20:.1f} MiB at "
           f"most; kept {len(job.metrics)} reports, dropped {job.dropped}")

@@ -27,13 +27,12 @@ import dask
 import msgpack
 import psutil
 import pytest
-from _cluster import run
+from _cluster import result_watching_the_scheduler, run
 
 import dask_ddp
 from dask_ddp.client.record import JobRecord
 from dask_ddp.rank import reporting
 from dask_ddp.wire.events import Budget, EventLimits, clip_line, flat_size, item_size, items_of
-from dask_ddp.wire.task import topic_of
 from dask_ddp.worker.relay import Gate, Relay
 
 N = 5_000  # reports per rank in the tight loop (2 ranks: 10,000)
@@ -379,41 +378,23 @@ def topic_bytes(topic: str, dask_scheduler=None) -> int:
 
 @pytest.mark.slow
 def test_a_rank_flooding_other_kinds_leaves_the_scheduler_flat(client):
-    me = psutil.Process()  # this process hosts the scheduler (and the client)
-    rss0, peak, held = me.memory_info().rss, [0], [0]
+    rss0 = psutil.Process().memory_info().rss  # this process hosts the scheduler (and the client)
     workers = set(client.scheduler_info(n_workers=-1)["workers"])
     t0 = time.monotonic()
     with dask.config.set({"ddp.echo-logs": False}):
         job = run(client, flood_other_kinds, 8.0)
-    stop = threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            peak[0] = max(peak[0], me.memory_info().rss - rss0)
-            try:
-                held[0] = max(held[0], client.run_on_scheduler(topic_bytes, topic_of(job.run_id)))
-            except Exception:  # noqa: BLE001 - the topic is dropped at the job's end
-                pass
-            time.sleep(0.25)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        sent = job.result(timeout=240)
-    finally:
-        stop.set()
-        watcher.join()
+    sent, peak, held = result_watching_the_scheduler(client, job, topic_bytes, rss0)
     took = time.monotonic() - t0
     limits = EventLimits()
     # per rank: the gate's burst (2 MiB), then its rate (256 KiB/s) and the small items' (32 of 2 KiB a second),
     # for as long as the job ran (a batch of drop counts a tick on top)
     bound = 2 * (2 * limits.burst_bytes + took * (limits.interval_bytes + limits.control_items * limits.control_bytes
                                                   + 10 * 2048))
-    print(f"{sent} rounds a rank in {took:.1f} s; the topic held {held[0] / 2**20:.1f} MiB at most (bound "
-          f"{bound / 2**20:.1f} MiB), the scheduler+client process grew {peak[0] / 2**20:.0f} MiB; dropped "
+    print(f"{sent} rounds a rank in {took:.1f} s; the topic held {held / 2**20:.1f} MiB at most (bound "
+          f"{bound / 2**20:.1f} MiB), the scheduler+client process grew {peak / 2**20:.0f} MiB; dropped "
           f"{job.dropped}")
-    assert held[0] <= bound, f"the scheduler held {held[0] / 2**20:.0f} MiB of the job's topic"
-    assert peak[0] < 128 * 2**20, f"the scheduler+client process grew by {peak[0] / 2**20:.0f} MiB"
+    assert held <= bound, f"the scheduler held {held / 2**20:.0f} MiB of the job's topic"
+    assert peak < 128 * 2**20, f"the scheduler+client process grew by {peak / 2**20:.0f} MiB"
     assert set(client.scheduler_info(n_workers=-1)["workers"]) == workers, "a worker was lost"
     assert all(n > 100 for n in sent) and set(job.dropped) == {0, 1}
     causes = " ".join(cause for *_, cause in job.history)
