@@ -23,7 +23,8 @@ import weakref
 from typing import Callable
 
 from dask_ddp.wire.events import items_of, unpack
-from dask_ddp.worker.relay import drop_topic, on_scheduler
+from dask_ddp.worker.relay import drop_topic
+from dask_ddp.worker.scheduler_call import on_scheduler
 
 __all__ = ["EventOrder", "TopicFeed", "WorkerWatch", "items_of"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from dask_ddp.worker.relay import on_scheduler
+from dask_ddp.worker.scheduler_call import on_scheduler
 
 __all__ = ["claim", "release", "refusal", "take", "DETACHED"]
 

@@ -1,7 +1,7 @@
 """The relay: one rank's events, published from its Dask worker in batches.
 
 Runs in: the Dask worker (the rank supervisor's thread and the relay's own); :func:`drop_topic` on the
-scheduler, :func:`on_scheduler` wherever a client calls it (the worker's or the notebook's).
+scheduler (called through :func:`dask_ddp.worker.scheduler_call.on_scheduler`, the bounded scheduler call).
 
 :class:`Relay` publishes one event per batch (the format of
 :mod:`dask_ddp.wire.events`, items packed as bytes) on the job's topic, at most
@@ -44,12 +44,11 @@ from dask_ddp.wire.events import (
 )
 from dask_ddp.worker.hub import forward
 
-__all__ = ["Relay", "Gate", "drop_topic", "on_scheduler"]
+__all__ = ["Relay", "Gate", "drop_topic"]
 
 logger = logging.getLogger("dask_ddp")
 
 TICK = 0.1  # seconds between the relay's looks at what is queued
-SCHEDULER_CALL_TIMEOUT = 10.0  # seconds a best-effort call to the scheduler may take (a job's end waits for it)
 CONTROL = frozenset({"telemetry", "dropped", "throttled", "forged"})  # small items the job relies on: bounded by count
 # one log record at most, by item_size: clip_line's cut and marker, escaped (a lone surrogate becomes 6
 # characters), 4 bytes a character when not ASCII, and its other fields
@@ -65,8 +64,8 @@ class Gate:
       one burst plus that rate, so an honest rank passes whole as long as its batches reach the worker within
       four intervals of being made. A report over ``max-report-bytes`` (+256 for its stamp), a log record over
       :data:`LINE_BYTES`, any other item over ``max-report-bytes`` is dropped whole.
-    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits, forged-notice counts) pass beside that
-      budget, at most ``control_items`` per interval of at most ``control_bytes`` each.
+    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits, forged-notice counts)
+      pass beside that budget, at most ``control_items`` per interval of at most ``control_bytes`` each.
     - Output lines (the rank's stdout and stderr, from :class:`~dask_ddp.worker.pump.OutputPump`): a budget of
       their own, ``max-bytes-per-interval`` a flush interval (two at once), so that a rank that prints much
       never costs it a report.
@@ -233,18 +232,3 @@ def drop_topic(topic: str, dask_scheduler=None) -> bool:
     """On the scheduler: forget ``topic``, its events and its subscribers (``Broker._topics``, private)."""
     topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)
     return topics is not None and topics.pop(topic, None) is not None
-
-
-def on_scheduler(client, fn, *args):
-    """``client.run_on_scheduler(fn, *args)`` for the best-effort calls at a job's or sweep's end, bounded.
-
-    Raises
-    ------
-    ConnectionError
-        The client is not running: a closing client's call never returned (its loop closed under it).
-    TimeoutError
-        No answer within :data:`SCHEDULER_CALL_TIMEOUT` seconds.
-    """
-    if getattr(client, "status", None) != "running":
-        raise ConnectionError(f"the Dask client is not running (status {getattr(client, 'status', None)!r})")
-    return client.run_on_scheduler(fn, *args, callback_timeout=SCHEDULER_CALL_TIMEOUT)

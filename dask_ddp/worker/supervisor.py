@@ -49,7 +49,8 @@ from dask_ddp.wire.task import RankTask
 from dask_ddp.worker.plugin import RankHost
 from dask_ddp.worker.process import RankProcess, stop_marked
 from dask_ddp.worker.pump import PUMP_WAIT, OutputPump
-from dask_ddp.worker.relay import Relay, drop_topic, on_scheduler
+from dask_ddp.worker.relay import Relay, drop_topic
+from dask_ddp.worker.scheduler_call import on_scheduler
 from dask_ddp.worker.stopping import ORPHANED, STOPPED, StopRule
 from dask_ddp.worker.tmpdirs import worker_tmp_root
 
