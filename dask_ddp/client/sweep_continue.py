@@ -16,18 +16,31 @@ started and ``train_fn`` takes ``resume_from``; the new trial takes its place in
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import Any, Protocol
 
-from dask_ddp.client.trial import TrialRecord
+from dask_ddp.client.trial import SweepSpec, TrialRecord
+from dask_ddp.client.trial_queue import TrialQueue
 
-if TYPE_CHECKING:
-    from dask_ddp.client.sweep_driver import Driver
-
-__all__ = ["adopt", "remember"]
+__all__ = ["adopt", "remember", "Continuing"]
 
 logger = logging.getLogger("dask_ddp")
 ATTR = "dask_ddp"  # the user attribute holding {"ranks", "run_id", "checkpoint"} of a trial's job
 STATES = {"COMPLETE": "COMPLETE", "PRUNED": "PRUNED", "FAIL": "FAILED"}
+
+
+class Continuing(Protocol):
+    """What :func:`adopt` uses of the sweep's driver (:class:`~dask_ddp.client.sweep_driver.Driver`)."""
+
+    spec: SweepSpec
+    study: Any
+    searched: dict
+    trials: dict[int, TrialRecord]
+    cond: threading.Condition
+    queue: TrialQueue
+
+    def ask(self, counted: bool = True, params: dict | None = None, first: bool = False) -> TrialRecord:
+        """Ask Optuna for a trial with ``params`` enqueued and put it in line."""
 
 
 def remember(trial: Any, rec: TrialRecord) -> None:
@@ -38,9 +51,10 @@ def remember(trial: Any, rec: TrialRecord) -> None:
         logger.warning("dask-ddp could not store trial %d's run id in its Optuna study", rec.number, exc_info=True)
 
 
-def adopt(driver: Driver) -> int:
-    """Take up ``driver.study``'s earlier trials: records for the ended ones, interrupted ones told FAIL and
-    asked again (first in line). Returns how many earlier trials there were."""
+def adopt(driver: Continuing) -> int:
+    """Take up ``driver.study``'s earlier trials: records for the ended ones (counted against ``n_trials``),
+    interrupted ones told FAIL and asked again (first in line). Returns how many earlier trials there were.
+    Raises what the study's storage raises."""
     import optuna
 
     state = optuna.trial.TrialState
@@ -49,7 +63,7 @@ def adopt(driver: Driver) -> int:
     for t in earlier:
         rec = _record(t, driver)
         if t.state == state.RUNNING:
-            driver._tell(t.number, state=state.FAIL)
+            driver.queue.tell(t.number, state=state.FAIL)
             params = t.params if set(driver.searched) <= set(t.params) else _grid_point(driver.study.sampler, t)
             if params is not None:  # None: killed inside study.ask(), before any parameter was decided
                 again.append((t, params))
@@ -57,13 +71,11 @@ def adopt(driver: Driver) -> int:
                                               "stopped with it); " + ("asked again as a new trial" if params
                                                                       is not None else "it had no parameters yet"))
         else:
-            driver._asked += 1
+            driver.queue.count()
         with driver.cond:
             driver.trials[t.number] = rec
     for t, params in again:
-        driver.study.enqueue_trial({k: v for k, v in params.items() if k in driver.searched},
-                                   skip_if_exists=False)
-        new = driver._ask()
+        new = driver.ask(params=params)
         checkpoint = (t.user_attrs.get(ATTR) or {}).get("checkpoint")
         if checkpoint and driver.spec.resume_arg:
             with driver.cond:
@@ -84,7 +96,7 @@ def _grid_point(sampler: Any, t: Any) -> dict | None:
     return dict(zip(names, grids[int(grid_id)]))
 
 
-def _record(t: Any, driver: Driver) -> TrialRecord:
+def _record(t: Any, driver: Continuing) -> TrialRecord:
     attrs = t.user_attrs.get(ATTR) or {}
     rec = TrialRecord(t.number, {**t.params, **driver.spec.fixed}, int(attrs.get("ranks") or 0))
     rec.state, rec.value = STATES.get(t.state.name, t.state.name), t.value

@@ -11,8 +11,9 @@ threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`):
    ``ddp.sweep.prune-grace`` seconds are killed together, so no rank is left waiting in a collective) and the
    trial is PRUNED at ``s``: its reports after ``s`` do not count; ``stopped_step`` is where its ranks stopped.
    A job's end frees its workers (free only once every rank has stopped) and is told to Optuna;
-2. fill the free workers: ask Optuna for trials (a short line of them: ``LINE``, up to ``LINE_MAX`` while
-   none of them fits the free workers), pick which fits (:func:`~dask_ddp.client.placement.pick`), seat it
+2. fill the free workers: ask Optuna for trials (a short line of them, kept by the sweep's
+   :class:`~dask_ddp.client.trial_queue.TrialQueue`: ``LINE``, up to ``LINE_MAX`` while none of them fits the
+   free workers), pick which fits (:func:`~dask_ddp.client.placement.pick`), seat it
    (:func:`~dask_ddp.client.placement.place`) and start its job pinned to those workers (``dispatch.run``);
 3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client closed):
    queued trials are dropped, running ones cancelled, and the sweep ends when they have stopped."""
@@ -34,6 +35,7 @@ from dask_ddp.client.placement import pick, place
 from dask_ddp.client.search import Decider
 from dask_ddp.client.sweep_view import SweepView
 from dask_ddp.client.trial import SweepSpec, TrialHooks, TrialRecord, failed_text, job_error
+from dask_ddp.client.trial_queue import TrialQueue
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.events import RESERVED_KEYS
 from dask_ddp.worker import plugin
@@ -59,14 +61,11 @@ class Driver:
         self.trials: dict[int, TrialRecord] = {}
         self.state, self.cause = "RUNNING", ""
         self.error: str | None = None
-        self._optuna: dict[int, Any] = {}  # trial number -> its optuna Trial (until told)
+        self.queue = TrialQueue(study, searched, spec.n_trials)  # asked and not yet told; the line to start
         self._deciders: dict[int, Decider] = {}
         self._jobs: dict[int, Any] = {}
-        self._line: list[int] = []  # asked, not started, in order
         self._busy: set[str] = set()
-        self._asked = self.failures = self._passed = 0  # _passed: times the head of the line (_head) was passed
-        self._head: int | None = None
-        self.exhausted = False  # the sampler has nothing left to ask (a walked grid)
+        self.failures = 0
         self._stop: str | None = None  # the sweep's end state once it is stopping
         self._look_at = 0.0  # monotonic time of the next look at the cluster
         self._thread = threading.Thread(target=self.run, name=f"dask-ddp-sweep-{spec.name}", daemon=True)
@@ -117,9 +116,9 @@ class Driver:
                 job.wait(60, progress=False)
             except Exception:  # noqa: BLE001 - the client may be gone: its ranks stop with it
                 logger.warning("dask-ddp could not wait for job %s", job.run_id, exc_info=True)
-        for number, trial in list(self._optuna.items()):
+        for number in self.queue.untold():
             try:
-                self._tell(trial, state=search.optuna_module().trial.TrialState.FAIL)
+                self.queue.tell(number, state=search.optuna_module().trial.TrialState.FAIL)
             except Exception:  # noqa: BLE001 - told already, or the storage is gone
                 logger.warning("dask-ddp could not tell Optuna that trial %d ended", number, exc_info=True)
             with self.cond:
@@ -137,9 +136,9 @@ class Driver:
             return False
         self._fill()
         self.view.tick()
-        if (self._asked >= self.spec.n_trials or self.exhausted) and not self._line and not self._jobs:
-            self._finish("FINISHED", f"all {self._asked} trials ended" + (" (the grid is walked)" if
-                                                                          self.exhausted else ""))
+        if not self.queue.more() and not self.queue.waiting() and not self._jobs:
+            self._finish("FINISHED", f"all {self.queue.asked} trials ended" + (" (the grid is walked)" if
+                                                                               self.queue.exhausted else ""))
             return True
         return False
 
@@ -186,7 +185,7 @@ class Driver:
     def _ended(self, number: int, job) -> None:
         """The trial's job has ended (every rank stopped): free its workers, tell Optuna, count a failure."""
         optuna = search.optuna_module()
-        rec, trial = self.trials[number], self._optuna.pop(number)
+        rec = self.trials[number]
         self._jobs.pop(number, None)
         self._busy.difference_update(rec.workers)
         self._look_at = 0.0
@@ -194,21 +193,21 @@ class Driver:
         with self.cond:
             rec.stopped_step, rec.failure = getattr(job, "stopped_step", None), failure
         if rec.pruned_at is not None:
-            self._tell(trial, state=optuna.trial.TrialState.PRUNED)
+            self.queue.tell(number, state=optuna.trial.TrialState.PRUNED)
             self._end(rec, "PRUNED", value=rec.last)  # Optuna keeps the last intermediate value: the same
         elif job.state == "FINISHED" and rec.steps:
-            self._tell(trial, rec.last)
+            self.queue.tell(number, rec.last)
             self._end(rec, "COMPLETE", value=rec.last)
         elif job.state == "FINISHED":
             seen = ", ".join(sorted(rec.keys)) or "none"
-            self._fail(rec, trial, f"trial {number} (job {rec.run_id}) finished without reporting the metric "
-                                   f"{self.spec.metric!r} on rank 0; the keys it reported: {seen}. Report it with "
-                                   f"dask_ddp.report({self.spec.metric}=value), or pass metric= one of those keys")
+            self._fail(rec, f"trial {number} (job {rec.run_id}) finished without reporting the metric "
+                             f"{self.spec.metric!r} on rank 0; the keys it reported: {seen}. Report it with "
+                             f"dask_ddp.report({self.spec.metric}=value), or pass metric= one of those keys")
         elif (job.state == "CANCELLED" and self._stop is not None) or self._client_closed():  # ended by its close
-            self._tell(trial, state=optuna.trial.TrialState.FAIL)
+            self.queue.tell(number, state=optuna.trial.TrialState.FAIL)
             self._end(rec, "CANCELLED", error=f"cancelled: {self.cause}")
         else:
-            self._fail(rec, trial, failed_text(number, rec.run_id, error))
+            self._fail(rec, failed_text(number, rec.run_id, error))
 
     # ---- filling free workers ------------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -217,11 +216,10 @@ class Driver:
         self._look_at = time.monotonic() + RECHECK
         reach = LINE
         while self._stop is None:
-            while len(self._line) < reach and self._asked < self.spec.n_trials and not self.exhausted \
-                    and self._stop is None:
-                self._ask()
+            while len(self.queue.waiting()) < reach and self.queue.more() and self._stop is None:
+                self.ask()
             cap = self.spec.max_concurrent
-            if not self._line or (cap is not None and len(self._jobs) >= cap):
+            if not self.queue.waiting() or (cap is not None and len(self._jobs) >= cap):
                 return
             eligible = self._eligible()
             room = len(eligible) if self.spec.max_workers is None else min(len(eligible), self.spec.max_workers)
@@ -232,19 +230,17 @@ class Driver:
                 free_n = min(len(free), self.spec.max_workers - len(self._busy))
             else:
                 free_n = len(free)
-            sizes = [self.trials[n].ranks for n in self._line]
-            if self._line and self._line[0] != self._head:  # a new head (the last started or failed)
-                self._head, self._passed = self._line[0], 0
-            i = pick(sizes, free_n, self._passed, PATIENCE)
+            line = self.queue.waiting()
+            sizes = [self.trials[n].ranks for n in line]
+            passed = self.queue.passes()  # a new head (the last started or failed) starts at 0
+            i = pick(sizes, free_n, passed, PATIENCE)
             addresses = None if i is None else place(sizes[i], free)
             if i is None or addresses is None:  # nothing fits (pick() only picks what does)
-                more = self._asked < self.spec.n_trials and not self.exhausted
-                if more and free_n and self._passed < PATIENCE and len(self._line) >= reach < LINE_MAX:
+                if self.queue.more() and free_n and passed < PATIENCE and len(line) >= reach < LINE_MAX:
                     reach += 1  # a free worker would idle: look one trial further (a 1-rank one may fit)
                     continue
                 return
-            self._passed += i != 0
-            self._launch(self._line.pop(i), addresses)
+            self._launch(self.queue.start(i), addresses)
 
     def _eligible(self) -> list[planning.WorkerInfo]:
         """The running workers the sweep may use (``workers=`` of the sweep, if given)."""
@@ -256,37 +252,41 @@ class Driver:
         return workers
 
     def _fail_oversized(self, room: int) -> None:
-        for number in [n for n in self._line if self.trials[n].ranks > room]:
-            if number not in self._line:  # a failure before it stopped the sweep: the line was cleared
+        for number in [n for n in self.queue.waiting() if self.trials[n].ranks > room]:
+            if not self.queue.drop(number):  # a failure before it stopped the sweep: the line was cleared
                 continue
-            self._line.remove(number)
             rec = self.trials[number]
-            self._fail(rec, self._optuna.pop(number), f"trial {number} needs {rec.ranks} ranks, but the sweep may "
-                       f"use only {room} workers now (max_workers={self.spec.max_workers}, "
-                       f"workers={self.spec.workers}): add workers or lower ranks_per_trial")
+            self._fail(rec, f"trial {number} needs {rec.ranks} ranks, but the sweep may use only {room} workers "
+                            f"now (max_workers={self.spec.max_workers}, workers={self.spec.workers}): add workers "
+                            "or lower ranks_per_trial")
 
-    def _ask(self, counted: bool = True) -> TrialRecord:
-        """Ask Optuna for a trial and put it in line (a resumed one is not ``counted`` against n_trials)."""
-        trial = self.study.ask(self.searched)
-        self._asked += counted
+    def ask(self, counted: bool = True, params: dict | None = None, first: bool = False) -> TrialRecord:
+        """In the driver's thread: ask Optuna for a trial (with ``params`` enqueued first: a trial asked again) and
+        put it in line, last or ``first`` (a resumed one is not ``counted`` against n_trials). A trial whose
+        ``ranks_per_trial`` fails or gives no positive int is FAILED instead. Returns its record; raises what
+        ``study.ask`` raises."""
+        trial = self.queue.ask(counted, params)
         params = {**trial.params, **self.spec.fixed}
         rec = TrialRecord(trial.number, params, 0)
-        self._optuna[trial.number] = trial
         with self.cond:
             self.trials[trial.number] = rec
         try:
             rec.ranks = self.spec.ranks(params)
         except Exception:  # noqa: BLE001 - the user's ranks_per_trial: the trial fails, the sweep goes on
-            self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial failed for trial "
-                       f"{trial.number} ({params}):\n{traceback.format_exc()}")
+            self._fail(rec, f"ranks_per_trial failed for trial {trial.number} ({params}):\n"
+                            f"{traceback.format_exc()}")
             return rec
         if isinstance(rec.ranks, bool) or not isinstance(rec.ranks, int) or rec.ranks < 1:
-            self._fail(rec, self._optuna.pop(trial.number), f"ranks_per_trial gave {rec.ranks!r} for "
-                       f"trial {trial.number} ({params}): expected a positive int")
+            self._fail(rec, f"ranks_per_trial gave {rec.ranks!r} for trial {trial.number} ({params}): expected a "
+                            "positive int")
             return rec
         self._deciders[trial.number] = Decider(trial)
-        self._line.append(trial.number)
+        self.queue.line_up(trial.number, first)
         return rec
+
+    def look_now(self) -> None:
+        """Look at the cluster for free workers at the next step (a trial was put first in line)."""
+        self._look_at = 0.0
 
     def _launch(self, number: int, addresses: list[str]) -> None:
         rec, spec = self.trials[number], self.spec
@@ -303,33 +303,16 @@ class Driver:
                                progress=False, **spec.run_options, **spec.kwargs, **rec.params, **extra)
         except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
             self._busy.difference_update(addresses)
-            return self._fail(rec, self._optuna.pop(number), f"trial {number} could not start on "
-                              f"{', '.join(addresses)}:\n{traceback.format_exc()}")
+            return self._fail(rec, f"trial {number} could not start on {', '.join(addresses)}:\n"
+                                   f"{traceback.format_exc()}")
         self._jobs[number] = job
         with self.cond:
             rec.run_id, rec.checkpoint = job.run_id, job.checkpoint_dir
-        sweep_continue.remember(self._optuna[number], rec)
+        sweep_continue.remember(self.queue.held(number), rec)
 
     # ---- ending --------------------------------------------------------------------------------------------
-    def _tell(self, trial, value: float | None = None, state=None) -> None:
-        """``study.tell``. Optuna's GridSampler calls ``study.stop()`` there once its grid is walked, which only
-        ``study.optimize`` allows (RuntimeError); the trial's end is stored all the same (Optuna stores it in a
-        ``finally``), and the sweep stops asking: every point of the grid has had its trial."""
-        optuna = search.optuna_module()
-        try:
-            self.study.tell(trial, value, state=state)
-        except (RuntimeError, KeyError) as err:
-            sampler = self.study.sampler
-            if not isinstance(sampler, optuna.samplers.GridSampler):
-                raise
-            if isinstance(err, KeyError):  # an enqueued trial (resumed, continued) has no grid point of its own:
-                return  # GridSampler.after_trial looks its 'grid_id' up; Optuna stored the trial's end all the same
-            if not sampler.is_exhausted(self.study):
-                raise
-            self.exhausted = True
-
-    def _fail(self, rec: TrialRecord, trial, error: str) -> None:
-        self._tell(trial, state=search.optuna_module().trial.TrialState.FAIL)
+    def _fail(self, rec: TrialRecord, error: str) -> None:
+        self.queue.tell(rec.number, state=search.optuna_module().trial.TrialState.FAIL)
         self._end(rec, "FAILED", error=error)
         self.failures += 1
         logger.warning("sweep %s: %s", self.spec.name, error.splitlines()[0])
@@ -357,10 +340,9 @@ class Driver:
     def _begin_stop(self, state: str, cause: str) -> None:
         self._stop, self.cause = state, cause
         logger.info("sweep %s: stopping (%s)", self.spec.name, cause)
-        for number in self._line:
-            self._tell(self._optuna.pop(number), state=search.optuna_module().trial.TrialState.FAIL)
+        for number in self.queue.clear():
+            self.queue.tell(number, state=search.optuna_module().trial.TrialState.FAIL)
             self._end(self.trials[number], "CANCELLED", error=f"never started: {cause}")
-        self._line.clear()
         for job in list(self._jobs.values()):
             _quiet_cancel(job)
 

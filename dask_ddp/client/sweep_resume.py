@@ -25,17 +25,31 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+import threading
+from typing import Any, Callable, Protocol
 
-from dask_ddp.client.trial import TrialRecord
+from dask_ddp.client.trial import SweepSpec, TrialRecord
 
-if TYPE_CHECKING:
-    from dask_ddp.client.sweep_driver import Driver
-
-__all__ = ["takes_resume", "check", "take", "exploit"]
+__all__ = ["takes_resume", "check", "take", "exploit", "Resuming"]
 
 logger = logging.getLogger("dask_ddp")
 ARG = "resume_from"
+
+
+class Resuming(Protocol):
+    """What :func:`take` and :func:`exploit` use of the sweep's driver
+    (:class:`~dask_ddp.client.sweep_driver.Driver`)."""
+
+    spec: SweepSpec
+    searched: dict
+    trials: dict[int, TrialRecord]
+    cond: threading.Condition
+
+    def ask(self, counted: bool = True, params: dict | None = None, first: bool = False) -> TrialRecord:
+        """Ask Optuna for a trial with ``params`` enqueued and put it in line (``first``: at its head)."""
+
+    def look_now(self) -> None:
+        """Look at the cluster for free workers at the next step."""
 
 
 def takes_resume(fn: Callable) -> bool:
@@ -77,27 +91,25 @@ def check(spec, trials: dict[int, TrialRecord], number: int, ranks: int | None, 
                          f"({', '.join(sorted(rec.params))})")
 
 
-def take(driver: Driver, number: int, ranks: int | None, params: dict | None) -> None:
-    """In the driver: ask a trial that continues trial ``number`` from its checkpoint, at the head of the line."""
+def take(driver: Resuming, number: int, ranks: int | None, params: dict | None) -> None:
+    """In the driver: ask a trial that continues trial ``number`` from its checkpoint, at the head of the line
+    (not counted against ``n_trials``). Raises what ``study.ask`` raises."""
     src = driver.trials[number]
     merged = {**src.params, **(params or {})}
-    driver.study.enqueue_trial({k: v for k, v in merged.items() if k in driver.searched}, skip_if_exists=False)
-    rec = driver._ask(counted=False)
+    rec = driver.ask(counted=False, params=merged, first=True)
     with driver.cond:
         rec.resumed_from, rec.resume_from = number, src.checkpoint
         rec.params.update({k: v for k, v in merged.items() if k not in driver.searched})
         if ranks is not None:
             rec.ranks = ranks
-    if rec.number in driver._line:
-        driver._line.remove(rec.number)
-        driver._line.insert(0, rec.number)
-    driver._look_at = 0.0
+    driver.look_now()
     logger.info("sweep %s: trial %d continues trial %d from %s", driver.spec.name, rec.number, number,
                 src.checkpoint)
 
 
-def exploit(driver: Driver, rec: TrialRecord) -> None:
-    """With ``exploit=True``: point a new trial at the checkpoint of the best ended trial that has one."""
+def exploit(driver: Resuming, rec: TrialRecord) -> None:
+    """With ``exploit=True``: point a new trial at the checkpoint of the best ended trial that has one. Raises
+    nothing."""
     if not (driver.spec.exploit and driver.spec.resume_arg):
         return
     done = [r for r in driver.trials.values() if r.ended is not None and r.checkpoint and r.best is not None

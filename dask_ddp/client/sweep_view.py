@@ -14,20 +14,28 @@ sweep started. With ``mlflow=`` the sweep has a parent MLflow run and each trial
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dask_ddp.client import sweep_names
+from dask_ddp.client.trial import SweepSpec, TrialRecord
 from dask_ddp.dashboard import jobs as dashboard_jobs
 from dask_ddp.observe.mlflow_sweep import SweepRuns
 
-if TYPE_CHECKING:
-    from dask_ddp.client.sweep_driver import Driver
-    from dask_ddp.client.trial import TrialRecord
-
-__all__ = ["SweepView", "occupancy", "EVERY"]
+__all__ = ["SweepView", "Shown", "occupancy", "EVERY"]
 
 EVERY = 2.0  # seconds between messages while nothing changes
+
+
+class Shown(Protocol):
+    """What the view reads of the sweep's driver (:class:`~dask_ddp.client.sweep_driver.Driver`)."""
+
+    client: Any
+    spec: SweepSpec
+    searched: dict
+    trials: dict[int, TrialRecord]
+    cond: threading.Condition
 
 
 def occupancy(trials: list[TrialRecord], room: int, since: float, now: float) -> float | None:
@@ -42,7 +50,7 @@ def occupancy(trials: list[TrialRecord], room: int, since: float, now: float) ->
 class SweepView:
     """The driver's outward view: dashboard messages and the MLflow runs (``spec.mlflow``)."""
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Shown) -> None:
         self.driver, self.started = driver, time.time()
         self.room = 0  # workers the sweep may use, as the driver last looked
         self.claimed = False  # the sweep's name is claimed on the scheduler for its client (a notebook's sweep)
