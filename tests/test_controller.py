@@ -12,6 +12,7 @@ import pytest
 
 import dask_ddp
 from dask_ddp.client.controller import DRAIN_WAIT, Controller
+from dask_ddp.client.notices import GROW_EVERY
 from dask_ddp.client.record import JobRecord
 from dask_ddp.wire.errors import RankFailedError
 from dask_ddp.wire.outcome import RankOutcome, Status
@@ -47,6 +48,7 @@ class FakeCluster:
         self.retired: list[str] = []  # workers the scheduler retired (expected removals)
         self.stack_dumps: dict[int, str] = {}
         self.futures: list[Future] = []
+        self.notices: list[tuple] = []  # (attempt id, addresses, cause, grace, kind) of each notify()
 
     # the port
     def submit(self, tasks):
@@ -67,6 +69,9 @@ class FakeCluster:
 
     def abort(self, task, cancel=False):
         self.aborted.append(task.attempt_id)
+
+    def notify(self, task, addresses, cause, grace, kind="grow"):
+        self.notices.append((task.attempt_id, addresses, cause, grace, kind))
 
     def cleanup(self, task):
         self.cleaned.append(task.attempt_id)
@@ -317,6 +322,57 @@ def test_an_elastic_job_restarts_on_the_workers_left():
     cluster.end(1, "aborted")
     ctl.step(0)
     assert ctl.attempt.index == 1 and ctl.attempt.plan.world_size == 2 and lost not in ctl.attempt.plan.addresses
+
+
+def test_an_elastic_job_with_a_checkpoint_folder_grows_once_a_usable_worker_joins(tmp_path):
+    ctl, cluster, clock, record = make(n_workers=3, workers=(2, None), checkpoint_dir=str(tmp_path))
+    assert ctl.attempt.plan.world_size == 3 and ctl.notices.active
+    new = "tcp://10.0.0.4:4000"
+    cluster.scheduler_workers[new] = {"host": "10.0.0.4", "name": "3", "status": "closing_gracefully"}
+    ctl.step(0)
+    assert cluster.notices == []  # no rank has reported yet
+    cluster.pending.append(cluster.batch(0, 0, metric(1)))
+    ctl.step(0)
+    assert cluster.notices == []  # the new worker is closing: not one to grow on
+    cluster.scheduler_workers[new]["status"] = "running"
+    ctl.step(0)
+    assert cluster.notices == []  # looked at again only GROW_EVERY s later
+    clock.t += GROW_EVERY
+    ctl.step(0)
+    clock.t += GROW_EVERY
+    ctl.step(0)
+    assert cluster.notices == [("job-1-0", list(ctl.attempt.plan.addresses),
+                                f"1 worker(s) joined ({new}): the job grows to 4 ranks", ctl.grace, "grow")]
+    assert cluster.aborted == [] and record.state == "RUNNING"
+
+
+def test_a_job_without_a_checkpoint_folder_does_not_grow():
+    ctl, cluster, clock, record = make(n_workers=3, workers=(2, None))
+    cluster.scheduler_workers["tcp://10.0.0.4:4000"] = {"host": "10.0.0.4", "name": "3"}
+    cluster.pending.append(cluster.batch(0, 0, metric(1)))
+    for _ in range(3):
+        ctl.step(0)
+        clock.t += GROW_EVERY
+    assert not ctl.notices.active and cluster.notices == []
+
+
+def test_stop_sends_one_stop_notice_then_cancels_the_ranks_that_did_not_stop_in_time():
+    ctl, cluster, clock, record = make()
+    ctl.stop("pruned", 5.0)
+    ctl.stop("again", 50.0)  # the first stop counts
+    ctl.step(0)
+    assert cluster.notices == [("job-1-0", list(ctl.attempt.plan.addresses), "pruned", 5.0, "stop")]
+    clock.t += 5
+    ctl.step(0)
+    assert cluster.aborted == [] and not ctl.cancel_requested
+    clock.t += 1
+    ctl.step(0)
+    ctl.step(0)
+    assert cluster.aborted == ["job-1-0"] and ctl.cancel_requested and len(cluster.notices) == 1
+    cluster.end(0, "aborted")
+    cluster.end(1, "aborted")
+    run_until_ended(ctl)
+    assert record.state == "CANCELLED"
 
 
 # ---- cancelling and callbacks --------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ class Attempt:
         self.outcomes: dict[int, RankOutcome] = {}
         self.lost: dict[str, float] = {}  # worker address -> time it was found gone
         self.leaving: dict[str, float] = {}  # worker address -> clock() it was retired: its ranks may be saving
-        self.grow_asked = False
         self.stalled: StallError | None = None
         self.queue_checked = False
 

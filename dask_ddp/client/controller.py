@@ -28,23 +28,20 @@ from typing import Any, Callable
 import cloudpickle
 import dask
 
-from dask_ddp.client import elastic, notices, policy
+from dask_ddp.client import elastic, policy
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.callbacks import Callbacks
 from dask_ddp.client.events import EventOrder, items_of
 from dask_ddp.client.launch import rank_tasks
 from dask_ddp.client.liveness import SilenceWatch
+from dask_ddp.client.notices import NoticeDesk, growth_bounds
 from dask_ddp.client.policy import Action
 from dask_ddp.client.record import JobRecord, format_log
 from dask_ddp.client.stragglers import StragglerWatch
 from dask_ddp.dashboard import jobs as dashboard_jobs
 from dask_ddp.observe.progress import Progress
 from dask_ddp.wire import plan as planning
-from dask_ddp.wire.errors import (
-    ClientClosedError,
-    DaskDDPError,
-    JobCancelledError,
-)
+from dask_ddp.wire.errors import ClientClosedError, DaskDDPError, JobCancelledError
 from dask_ddp.wire.notices import Stopped, grace_period
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.spec import LaunchSpec
@@ -93,10 +90,7 @@ class Controller:
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
         self.grace, self.max_preemptions = grace_period(), int(dask.config.get("ddp.preemption.max-restarts", 100))
-        bounds = planning.elastic_bounds(spec.workers)
-        self._grow = bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
-        self._next_grow = 0.0
-        self.stop_asked: tuple[str, float] | None = None  # stop(): the cause, and clock() by which to cancel instead
+        self.notices = NoticeDesk(cluster, growth_bounds(spec), self.grace)  # growth and stop() notices
         self._leftover: Any = None  # the ended attempt's RankTask, until its scheduler state is removed
 
     # ---- driving -------------------------------------------------------------------------------------------
@@ -129,8 +123,10 @@ class Controller:
         self._deliver(self.cluster.events(wait))
         if self.phase == Phase.RUNNING:
             self._check_ranks()
-        if self.phase == Phase.RUNNING and (self._grow or self.stop_asked):
-            notices.check_stop(self) if self.stop_asked else notices.check_growth(self)
+        if self.phase == Phase.RUNNING and self.notices.active:
+            overdue = self.notices.check(self.attempt, self.clock(), bool(self.last_report), self._usable_workers)
+            if overdue and not self.cancel_requested:
+                self.cancel()  # the ranks did not reach a report in time after stop(): stop them all together (killed)
         if self.phase == Phase.DRAINING:
             self._check_drained()
         if self.phase == Phase.WAITING:
@@ -145,7 +141,7 @@ class Controller:
     def stop(self, cause: str, grace: float) -> None:
         """Ask every rank to stop at one agreed step (a ``stop`` notice, as a preemption's, saving what the code
         registered); the job ends CANCELLED there without a restart, or is cancelled after ``grace`` seconds."""
-        self.stop_asked = self.stop_asked or (cause, self.clock() + grace)
+        self.notices.stop(cause, self.clock() + grace)
 
     # ---- events --------------------------------------------------------------------------------------------
     def _deliver(self, messages: list[dict]) -> None:
@@ -342,8 +338,7 @@ class Controller:
         if self.cancel_requested:
             return self._cancelled("cancelled while waiting for workers to restart on")
         need, selection = self._restart_need
-        workers = [w for w in planning.workers_from_scheduler_info({"workers": self._usable_workers()})
-                   if w.address not in self.silence.silent and w.address not in self.departed]
+        workers = planning.workers_from_scheduler_info({"workers": self._usable_workers()})
         if len(workers) < need and self.clock() < self._deadline:
             return
         att = self.attempt
@@ -369,9 +364,11 @@ class Controller:
         msg = dashboard_jobs.job_message(self.run_id, self.spec.name or self.spec.fn_name, state,
                                          self.attempt.index if self.attempt else 0, plan, self.spec.backend)
         dashboard_jobs.publish(getattr(self.cluster, "client", None), msg)
+
     def _usable_workers(self) -> dict[str, dict]:
-        """The scheduler's workers that are running (not retiring or closing)."""
-        return {a: info for a, info in self.cluster.workers().items() if info.get("status", "running") == "running"}
+        """The scheduler's workers a plan may use: running (not retiring or closing), neither silent nor departed."""
+        return {a: info for a, info in self.cluster.workers().items() if info.get("status", "running") == "running"
+                and a not in self.silence.silent and a not in self.departed}
 
     # ---- acting --------------------------------------------------------------------------------------------
     def _abort(self, cause: str, cancel: bool = False) -> None:
