@@ -730,8 +730,8 @@ def _through_the_sweep(pruner, trace) -> list[int | None]:
                      max_failures=None, run_options={})
     driver, decisions = Driver(None, spec, study, {}), []
     for values in trace:
-        driver._ask()
-        number = driver._line.pop(0)
+        driver.ask()
+        number = driver.queue.start(0)
         job = driver._jobs[number] = _Ended()
         for step, value in enumerate(values):
             for item in ({"rank": 1, "step": step, "loss": value + 5}, {"rank": 0, "step": step, "loss": value},
