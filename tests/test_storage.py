@@ -181,3 +181,23 @@ def test_a_missing_bucket_is_file_not_found_naming_the_url(s3, writer):
     url = f"s3://no-such-bucket-{s3['bucket']}/run"
     with pytest.raises(FileNotFoundError, match=rf"{re.escape(url)}/\S+ does not exist while .*\(NoSuchBucket"):
         WRITERS[writer](url, {**s3["storage_options"], "skip_instance_cache": True})
+
+
+def test_one_door_every_s3_filesystem_of_a_process_shares_its_botocore_session(s3):
+    """resolve (checkpoints, sinks, export) and open_fs (images, streaming) open S3 with one session per
+    process; a session or profile the options name is kept, and a filesystem still pickles without it."""
+    import pickle
+
+    from dask_ddp.data.folder_index import open_fs
+
+    url, opts = f"s3://{s3['bucket']}/door", {**s3["storage_options"], "skip_instance_cache": True}
+    resolved, path = storage.resolve(url, opts)
+    fresh, root = storage.open_fs(url + "/", s3["storage_options"])
+    assert resolved is not fresh and root == path == f"{s3['bucket']}/door"
+    assert resolved.session is not None and resolved.session is fresh.session is open_fs(url, opts)[0].session
+    resolved.pipe_file(f"{path}/x", b"1")
+    assert fresh.cat_file(f"{root}/x") == b"1" and pickle.loads(pickle.dumps(resolved)).cat_file(f"{path}/x") == b"1"
+    import aiobotocore.session
+
+    mine = aiobotocore.session.AioSession()
+    assert storage.resolve(url, {**opts, "session": mine})[0].session is mine

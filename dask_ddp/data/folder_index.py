@@ -2,7 +2,7 @@
 
 Runs in: the rank process (or wherever the dataset is built), once per job:
 the index travels inside the pickled dataset, so DataLoader workers and other
-ranks never list again. Also opens each process's filesystem (:func:`open_fs`).
+ranks never list again. :func:`open_fs` is :func:`dask_ddp.data.storage.open_fs` (the one door to a filesystem).
 """
 
 from __future__ import annotations
@@ -49,50 +49,9 @@ def normalize_root(root: str | os.PathLike) -> str:
 
 
 def open_fs(root: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
-    """``(filesystem, root path)``: a fresh filesystem (never fsspec's shared instance), pool sized for batches.
-
-    An S3 filesystem gets this process's botocore session (:func:`_s3_session`) unless the options name one.
-    Raises as :func:`dask_ddp.data.storage.resolve`.
-    """
-    opts = {**storage_options, "skip_instance_cache": True}
-    if root.startswith(("s3://", "s3a://")):
-        opts["config_kwargs"] = {"max_pool_connections": 64, **(opts.get("config_kwargs") or {})}
-    fs, path = storage.resolve(root, opts)
-    s3 = type(fs).__module__.startswith("s3fs")
-    if s3 and fs.session is None and fs._s3 is None and set(fs.kwargs) <= {"profile"}:
-        fs.session = _s3_session(fs.kwargs.get("profile"))  # set, not passed: the options stay picklable
-    return fs, path.rstrip("/") or "/"
-
-
-_SESSIONS: dict[tuple, Any] = {}  # (pid, profile) -> this process's aiobotocore session
-_LOADERS: dict[str | None, Any] = {}  # profile -> botocore's data loader, with the service models it has parsed
-
-
-def _s3_session(profile: str | None) -> Any:
-    """This process's aiobotocore session for ``profile``, shared by the S3 filesystems :func:`open_fs` opens.
-
-    s3fs makes a session per filesystem, and each session parses botocore's S3 service model again (a
-    megabyte of JSON). In a DataLoader worker, forked from a rank holding torch, that parse took 0.5-0.6 s
-    (0.1 s with the collector off: it walks the inherited heap). The sessions of a profile share one data
-    loader, so a worker inherits the models its rank parsed when it read the index. A forked child gets
-    sessions of its own (a credential refresher holds asyncio locks of the parent's loop); only the loader
-    crosses the fork.
-    Raises nothing of its own (ImportError without aiobotocore, which s3fs needs anyway).
-    """
-    import aiobotocore.session
-
-    key = (os.getpid(), profile)
-    session = _SESSIONS.get(key)
-    if session is None:
-        for old in [k for k in _SESSIONS if k[0] != key[0]]:
-            _SESSIONS.pop(old, None)
-        session = aiobotocore.session.AioSession(profile=profile)
-        if profile in _LOADERS:
-            session.register_component("data_loader", _LOADERS[profile])
-        else:
-            _LOADERS[profile] = session.get_component("data_loader")
-        _SESSIONS[key] = session
-    return session
+    """``(filesystem, root path)``: :func:`dask_ddp.data.storage.open_fs` (a fresh filesystem, S3's with this
+    process's botocore session). Raises as :func:`dask_ddp.data.storage.resolve`."""
+    return storage.open_fs(root, storage_options)
 
 
 def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FolderIndex:
