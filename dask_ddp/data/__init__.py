@@ -8,7 +8,7 @@ one listing :mod:`.folder_index` and an optional :mod:`.blob_cache`, in a per-us
 :mod:`.sharded_state`, :mod:`.sharded_async`, :mod:`.sharded_folder`, :mod:`.sharded_export`
 and the storage layer :mod:`.dcp_storage` / :mod:`.dcp_reader`, non-tensor items read safely
 by :mod:`.dcp_values`) and the filesystem plumbing
-they share (:mod:`.storage`).
+they share (:mod:`.storage`, the one door to a filesystem, and :mod:`.transient`, the one rule for what is retried).
 
 May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 

@@ -16,8 +16,9 @@ silent loss of pytorch #183878), and it writes no commit marker. This writer:
   file's size and CRC-32; refuses a non-tensor value that ``torch.load(weights_only=True)``
   could not read back (:mod:`dask_ddp.data.dcp_values`: loads read no other way);
 - closes (local disk: fsyncs) every file and checks its size on the store
-  before it reports the item written; a throttled request (503, SlowDown) is
-  retried with exponential backoff and jitter; an upload that outlives the
+  before it reports the item written; a transient failure (503 SlowDown, 5xx,
+  a network error: :mod:`dask_ddp.data.transient`) is retried with exponential
+  backoff and jitter; an upload that outlives the
   deadline fails naming the rank and the key;
 - leaves the commit to :mod:`dask_ddp.data.sharded_folder`: the coordinator
   (after every rank's writes came back, i.e. all ranks agree) checks every
@@ -36,20 +37,17 @@ import dataclasses
 import hashlib
 import io
 import os
-import random
 import threading
 import time
 import zlib
 from typing import Any, Callable
 
-from dask_ddp.data import dcp_values, storage
+from dask_ddp.data import dcp_values, storage, transient
 
 __all__ = ["ShardWriter", "ShardError", "Item", "file_name", "FAULTS", "with_retries", "throttled", "fault"]
 
 # test hook: called as FAULTS[0](point, info) at each step of a save, may raise to cut the save there
 FAULTS: list[Callable[[str, dict], None] | None] = [None]
-_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable",
-                        "503", "500", "InternalError", "RequestTimeout", "TooManyRequests", "429"})
 
 
 class ShardError(OSError):
@@ -81,20 +79,15 @@ def file_name(step: int, rank: int, index: int) -> str:
 
 
 def throttled(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it chains) is an object store asking to slow down."""
-    return any(storage.error_code(e) in _THROTTLED for e in storage.error_chain(exc))
+    """Whether ``exc`` (or an error it chains) is an object store asking to slow down or failing on its side
+    (:func:`dask_ddp.data.transient.throttled`). Raises nothing."""
+    return transient.throttled(exc)
 
 
-def with_retries(fn: Callable[[], Any], *, tries: int = 6, base: float = 0.2, cap: float = 8.0) -> Any:
-    """``fn()``, again after a throttling error with exponential backoff and full jitter."""
-    for attempt in range(tries):
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised unless throttled
-            if attempt == tries - 1 or not throttled(exc):
-                raise
-            time.sleep(random.uniform(0, min(cap, base * 2 ** attempt)))
-    return None
+def with_retries(fn: Callable[[], Any], *, tries: int = 6) -> Any:
+    """``fn()``, ``tries`` calls at most, again after a transient error (throttled, 5xx, network) with backoff:
+    :func:`dask_ddp.data.transient.retrying`. Raises what the last call raised."""
+    return transient.retrying(fn, tries=tries)
 
 
 def _tensor_bytes(tensor) -> tuple[memoryview, str, tuple]:

@@ -13,12 +13,9 @@ local on-disk cache.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import io
 import logging
 import os
-import random
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,20 +24,18 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 
-from dask_ddp.data import storage
+from dask_ddp.data import storage, transient
 from dask_ddp.data.blob_cache import BlobCache
 from dask_ddp.data.folder_index import (
     FolderIndex,
     cat_many,
     index_folder,
     normalize_root,
-    open_fs,
 )
 
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
 
 logger = logging.getLogger(__name__)
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 class ImageDecodeError(UnidentifiedImageError):
@@ -70,19 +65,6 @@ def _file_loader(loader: Callable) -> Callable:
     if loader is folder.pil_loader or (loader is folder.default_loader and get_image_backend() == "PIL"):
         return pil_loader
     return loader
-
-
-@functools.cache
-def _transient_types() -> tuple[type[BaseException], ...]:
-    """Errors worth a retry (network, 5xx) for the backends that are installed."""
-    found: list[type[BaseException]] = [OSError]
-    for module, name in [("botocore.exceptions", "ConnectionError"), ("botocore.exceptions", "HTTPClientError"),
-                         ("aiohttp", "ClientError")]:
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
 
 
 class _Options(dict):
@@ -256,7 +238,7 @@ class S3ImageFolder(ImageFolder):
     def fs(self) -> fsspec.AbstractFileSystem:
         """This process's filesystem, opened on first use (a forked child opens its own)."""
         if self._fs is None or self._fs_pid != os.getpid():
-            (self._fs, self._fs_root), self._fs_pid = open_fs(self.root, self.storage_options), os.getpid()
+            (self._fs, self._fs_root), self._fs_pid = storage.open_fs(self.root, self.storage_options), os.getpid()
         return self._fs
 
     def __getstate__(self) -> dict:
@@ -317,7 +299,7 @@ class S3ImageFolder(ImageFolder):
                 else:
                     raise self._fetch_error(url, result, attempt + 1)
             if failed:
-                delay = 0.2 * 2**attempt * random.uniform(0.5, 1.5)
+                delay = transient.backoff(attempt)
                 url, err = next(iter(failed.items()))
                 logger.warning("retrying %d object(s) in %.2fs (attempt %d of %d); %s: %s: %s", len(failed),
                                delay, attempt + 2, self.retries + 1, url, type(err).__name__, err)
@@ -337,7 +319,8 @@ class S3ImageFolder(ImageFolder):
 
     @staticmethod
     def _transient(err: BaseException) -> bool:
-        return not isinstance(err, _PERMANENT) and isinstance(err, _transient_types())
+        """The one rule (:func:`dask_ddp.data.transient.transient`); a GET is idempotent: any other OSError too."""
+        return transient.transient(err, any_os_error=True)
 
     def _fetch_error(self, url: str, err: BaseException, attempts: int) -> BaseException:
         builtin = storage.translate(err, url, doing="reading it", storage_options=self.storage_options)

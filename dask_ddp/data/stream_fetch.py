@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import logging
 import mmap
-import random
 import tempfile
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
-from dask_ddp.data import storage
+from dask_ddp.data import storage, transient
 from dask_ddp.data.shards_format import ShardDataError, crc32
 from dask_ddp.data.stream_cache import ShardCache, map_file
 
@@ -40,8 +38,8 @@ __all__ = ["ShardFetcher", "TRANSIENT_CODES", "Blob"]
 Blob = bytes | mmap.mmap
 
 logger = logging.getLogger("dask_ddp.data")
-TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "503", "500",
-                             "InternalError", "ServiceUnavailable", "RequestLimitExceeded"})
+#: the store's codes for "ask again later" (:data:`dask_ddp.data.transient.TRANSIENT_CODES`, the one rule)
+TRANSIENT_CODES = transient.TRANSIENT_CODES
 
 
 class ShardFetcher:
@@ -50,10 +48,8 @@ class ShardFetcher:
     def __init__(self, root: str, names: tuple[str, ...], sizes: tuple[int, ...], crcs: tuple[int, ...],
                  storage_options: Mapping[str, Any], cache: ShardCache | None, retries: int = 5,
                  threads: int = 4, keep: int = 8, spill: bool | None = None) -> None:
-        from dask_ddp.data.folder_index import open_fs
-
         self.root, self.names, self.sizes, self.crcs = root, names, sizes, crcs
-        self.fs, self.fs_root = open_fs(root, storage_options)
+        self.fs, self.fs_root = storage.open_fs(root, storage_options)
         # None: spill what a remote store gives when there is no node cache; a local file is mapped where it is
         self.local = storage.is_local(self.fs)
         self.spill = (cache is None and not self.local) if spill is None else spill
@@ -174,33 +170,26 @@ class ShardFetcher:
 
     def _fetch(self, j: int, start: int | None = None, end: int | None = None) -> bytes:
         url, path = self.url(j), f"{self.fs_root.rstrip('/')}/{self.names[j]}"
-        attempt = 0
-        while True:
-            try:
-                data = storage.call(lambda: self.fs.cat_file(path, start=start, end=end), url,
-                                    doing="reading the shard", storage_options=self.options)
-                self.bytes_read += len(data)
-                return data
-            except (PermissionError, FileNotFoundError):
-                raise
-            except Exception as err:  # noqa: BLE001 - a throttle or a network error: retried
-                if attempt >= self.retries or not _transient(err):
-                    err.add_note(f"while reading shard {url} (attempt {attempt + 1} of {self.retries + 1})")
-                    raise
-                delay = min(10.0, 0.2 * 2 ** attempt) * random.uniform(0.5, 1.5)
-                logger.warning("retrying shard %s in %.2fs (attempt %d of %d): %s: %s", url, delay, attempt + 2,
-                               self.retries + 1, type(err).__name__, err)
-                time.sleep(delay)
-                attempt += 1
+        calls = [0]
 
+        def get() -> bytes:
+            calls[0] += 1
+            return storage.call(lambda: self.fs.cat_file(path, start=start, end=end), url,
+                                doing="reading the shard", storage_options=self.options)
 
-def _transient(err: BaseException) -> bool:
-    if storage.error_code(err) in TRANSIENT_CODES:
-        return True
-    return any(isinstance(e, (ConnectionError, TimeoutError)) or storage.error_code(e) in TRANSIENT_CODES
-               or type(e).__name__ in ("ClientConnectorError", "ServerDisconnectedError", "EndpointConnectionError",
-                                       "ReadTimeoutError", "ConnectTimeoutError")
-               for e in storage.error_chain(err))
+        def retry(attempt: int, delay: float, err: BaseException) -> None:
+            logger.warning("retrying shard %s in %.2fs (attempt %d of %d): %s: %s", url, delay, attempt + 2,
+                           self.retries + 1, type(err).__name__, err)
+
+        try:  # a throttle or a network error: retried (dask_ddp.data.transient); a missing object or a refusal not
+            data = transient.retrying(get, tries=self.retries + 1, on_retry=retry)
+        except (PermissionError, FileNotFoundError):
+            raise
+        except Exception as err:
+            err.add_note(f"while reading shard {url} (attempt {calls[0]} of {self.retries + 1})")
+            raise
+        self.bytes_read += len(data)
+        return data
 
 
 def _spilled(data: bytes) -> Blob:
