@@ -86,27 +86,27 @@ class NoticeDesk:
         it could not deliver.
         """
         if self.stop_asked:
-            return self._check_stop(att, now)
+            return self._check_stop(att, now, *self.stop_asked)
         if self.grow:
-            self._check_growth(att, now, reported, workers)
+            self._check_growth(att, now, reported, workers, self.grow)
         return False
 
-    def _check_growth(self, att: Attempt, now: float, reported: bool, workers: Callable[[], Iterable[str]]) -> None:
+    def _check_growth(self, att: Attempt, now: float, reported: bool, workers: Callable[[], Iterable[str]],
+                      bounds: tuple[int, int | None]) -> None:
         """An elastic job below its maximum saves and restarts on more workers once idle ones have joined."""
         if self.noticed == att.index or now < self.next_grow or not reported:
             return
         self.next_grow = now + GROW_EVERY
         joined = [a for a in workers() if a not in att.plan.addresses]
-        more = elastic.grow_by(self.grow, att.plan.world_size, len(joined))
+        more = elastic.grow_by(bounds, att.plan.world_size, len(joined))
         if more:
             self.noticed = att.index
             self.cluster.notify(att.tasks[0], list(att.plan.addresses), f"{len(joined)} worker(s) joined "
                                 f"({', '.join(sorted(joined))}): the job grows to {att.plan.world_size + more} ranks",
                                 self.grace)
 
-    def _check_stop(self, att: Attempt, now: float) -> bool:
+    def _check_stop(self, att: Attempt, now: float, cause: str, deadline: float) -> bool:
         """Send the ranks the ``stop`` notice once; True once its deadline has passed."""
-        cause, deadline = self.stop_asked
         if self.noticed != att.index:  # one notice an attempt, a growth's or a stop's
             self.noticed = att.index
             self.cluster.notify(att.tasks[0], list(att.plan.addresses), cause, max(deadline - now, 0.5), "stop")
