@@ -30,7 +30,6 @@ import dataclasses
 import threading
 import time
 import zlib
-from collections import deque
 from typing import TYPE_CHECKING
 
 import cloudpickle
@@ -40,6 +39,7 @@ from dask_ddp.client.cluster import check_client
 from dask_ddp.client.control import LocalControl, new_record
 from dask_ddp.client.job import Job
 from dask_ddp.client.record import ENDED, JobRecord, format_log
+from dask_ddp.client.registry import DriverRegistry
 from dask_ddp.wire.errors import DaskDDPError, PickledRankError
 from dask_ddp.wire.events import items_of, pack_items
 from dask_ddp.wire.spec import LaunchSpec
@@ -126,17 +126,14 @@ class _Driver:
         return self.record.state if self.record is not None else "PENDING"
 
 
-_DRIVERS: dict[str, _Driver] = {}  # run id -> its driver
-_ENDED: deque[str] = deque()
-_LOCK = threading.Lock()
+_JOBS: DriverRegistry[_Driver] = DriverRegistry()  # run id -> its driver; its lock also guards a driver's fields
+_DRIVERS, _ENDED, _LOCK = _JOBS.drivers, _JOBS.ended, _JOBS.lock  # its parts, as tests reach them
 
 
 def _start(blob: bytes, dask_scheduler=None) -> str:
     spec: LaunchSpec = cloudpickle.loads(blob)
     record = new_record(spec.run_id, spec.event_limits)
-    driver = _Driver(spec, record)
-    with _LOCK:
-        _DRIVERS[spec.run_id] = driver
+    driver = _JOBS.add(spec.run_id, _Driver(spec, record))
     # the driver's client speaks to the scheduler as its workers do: with its security (TLS) settings
     threading.Thread(target=_drive, args=(dask_scheduler.address, driver, record, dask_scheduler.security),
                      name=f"dask-ddp-driver-{spec.run_id}", daemon=True).start()
@@ -150,7 +147,7 @@ def _drive(address: str, driver: _Driver, record: JobRecord, security=None) -> N
     try:
         with Client(address, security=security, set_as_default=False) as client:
             job = Job(client, spec, LocalControl(client, spec, record, raw_results=True))._start()
-            with _LOCK:
+            with _JOBS.lock:
                 driver.job, cancel = job, driver.cancel_asked
             if cancel:
                 job.cancel()
@@ -161,30 +158,25 @@ def _drive(address: str, driver: _Driver, record: JobRecord, security=None) -> N
             record.transition("FAILED", f"the driver in the scheduler's process could not run the job: {exc!r}")
             record.settle()
     ended = _Ended(record, driver.job.plan if driver.job else None)
-    with _LOCK:  # keep what attach() reads; the handle, its client and the record's dicts go
+    with _JOBS.ending(spec.run_id):  # keep what attach() reads; the handle, its client and the record's dicts go
         driver.ended, driver.record, driver.job = ended, None, None
         driver.spec = dataclasses.replace(spec, call=b"")
-        _ENDED.append(spec.run_id)
-        while len(_ENDED) > dask.config.get("ddp.detached.keep"):
-            _DRIVERS.pop(_ENDED.popleft(), None)
 
 
 def _find(name: str, dask_scheduler=None) -> list[dict]:
-    with _LOCK:
-        drivers = list(_DRIVERS.values())
+    drivers = _JOBS.values()
     return [{"run_id": d.spec.run_id, "name": d.spec.name or d.spec.fn_name, "state": d.state}
             for d in drivers if name in (d.spec.run_id, d.spec.name or d.spec.fn_name)]
 
 
 def _spec(run_id: str, dask_scheduler=None) -> LaunchSpec | None:
-    with _LOCK:
-        driver = _DRIVERS.get(run_id)
+    driver = _JOBS.get(run_id)
     return None if driver is None else driver.spec
 
 
 def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
-    with _LOCK:
-        driver = _DRIVERS.get(run_id)
+    with _JOBS.lock:
+        driver = _JOBS.drivers.get(run_id)
         if driver is None:
             return None
         record, job, ended = driver.record, driver.job, driver.ended
@@ -202,8 +194,8 @@ def _snapshot(run_id: str, n: int, dask_scheduler=None) -> dict | None:
 
 
 def _cancel(run_id: str, dask_scheduler=None) -> bool:
-    with _LOCK:
-        driver = _DRIVERS.get(run_id)
+    with _JOBS.lock:
+        driver = _JOBS.drivers.get(run_id)
         if driver is None:
             return False
         job = driver.job

@@ -28,7 +28,6 @@ import dataclasses
 import os
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import cloudpickle
@@ -36,6 +35,7 @@ import dask
 
 from dask_ddp.client import dispatch, sweep_names
 from dask_ddp.client.cluster import check_client
+from dask_ddp.client.registry import DriverRegistry
 from dask_ddp.client.sweep_driver import Driver, SweepSpec
 from dask_ddp.client.trial import TrialRecord
 from dask_ddp.wire.errors import DaskDDPError
@@ -73,9 +73,8 @@ class _Held:
         self.error = ""
 
 
-_HELD: dict[str, _Held] = {}
-_ENDED: deque[str] = deque()
-_LOCK = threading.Lock()
+# name -> its sweep; an ended name's sweep goes only if it has ended (a new sweep of that name may have started)
+_SWEEPS: DriverRegistry[_Held] = DriverRegistry(forgettable=lambda held: _state(held) in ENDED)
 
 
 def _start(blob: bytes, dask_scheduler=None) -> str:
@@ -84,8 +83,7 @@ def _start(blob: bytes, dask_scheduler=None) -> str:
         refused = sweep_names.take(spec.name, sweep_names.DETACHED, dask_scheduler)
     if refused:
         raise sweep_names.refusal(refused)
-    with _LOCK:
-        _HELD[spec.name] = held = _Held(spec, study_kw["storage"])
+    held = _SWEEPS.add(spec.name, _Held(spec, study_kw["storage"]))
     threading.Thread(target=_drive, args=(dask_scheduler.address, held, searched, study_kw,
                                           dask_scheduler.security), name=f"dask-ddp-sweep-{spec.name}",
                      daemon=True).start()
@@ -100,7 +98,7 @@ def _drive(address: str, held: _Held, searched: dict, study_kw: dict, security=N
         with Client(address, security=security, set_as_default=False) as client:
             study = optuna.create_study(load_if_exists=True, **study_kw)
             driver = SchedulerDriver(client, held.spec, study, searched)
-            with _LOCK:
+            with _SWEEPS.lock:
                 held.driver, stop = driver, held.stop_asked
             if stop:
                 driver.stop(*stop)
@@ -108,12 +106,7 @@ def _drive(address: str, held: _Held, searched: dict, study_kw: dict, security=N
     except Exception as exc:  # noqa: BLE001 - a driver that cannot start is a FAILED sweep
         held.error = f"the detached sweep's driver in the scheduler's process failed: {exc!r}"
     sweep_names._release(held.spec.name, sweep_names.DETACHED)
-    with _LOCK:
-        _ENDED.append(held.spec.name)
-        while len(_ENDED) > dask.config.get("ddp.detached.keep"):
-            name = _ENDED.popleft()
-            if name in _HELD and _state(_HELD[name]) in ENDED:
-                del _HELD[name]
+    _SWEEPS.end(held.spec.name)
 
 
 def _state(held: _Held) -> str:
@@ -123,16 +116,14 @@ def _state(held: _Held) -> str:
 
 
 def _find(name: str, dask_scheduler=None) -> tuple[bytes, Any] | None:
-    with _LOCK:
-        held = _HELD.get(name)
+    held = _SWEEPS.get(name)
     return None if held is None else (cloudpickle.dumps(held.spec), held.storage)
 
 
 def _snapshot(name: str, loaded: list[int] | None = None, dask_scheduler=None) -> dict | None:
     """The sweep's state and trials; a failed trial's pickled exception only for a trial not in ``loaded`` (the
     client has it already)."""
-    with _LOCK:
-        held = _HELD.get(name)
+    held = _SWEEPS.get(name)
     if held is None:
         return None
     driver = held.driver
@@ -150,8 +141,8 @@ def _snapshot(name: str, loaded: list[int] | None = None, dask_scheduler=None) -
 
 
 def _stop(name: str, state: str, cause: str, dask_scheduler=None) -> bool:
-    with _LOCK:
-        held = _HELD.get(name)
+    with _SWEEPS.lock:
+        held = _SWEEPS.drivers.get(name)
         if held is None:
             return False
         if held.driver is None:
@@ -162,8 +153,7 @@ def _stop(name: str, state: str, cause: str, dask_scheduler=None) -> bool:
 
 
 def _resume(name: str, number: int, ranks: int | None, params: dict | None, dask_scheduler=None) -> bool:
-    with _LOCK:
-        held = _HELD.get(name)
+    held = _SWEEPS.get(name)
     if held is None or held.driver is None or held.driver.state in ENDED:
         return False
     held.driver.resume(number, ranks, params)
