@@ -5,7 +5,8 @@ output pump :mod:`.pump` and its stop rules :mod:`.stopping`), the worker plugin
 the zygote and the running ranks (:mod:`.plugin`), the rank processes as the worker sees
 them (:mod:`.process`; their process groups, ended without naming a reused pid:
 :mod:`.groups`), their private temporary folders (:mod:`.tmpdirs`), the per-host
-event hub (:mod:`.hub`), the relay of a rank's events to Dask (:mod:`.relay`) and a leaving
+event hub (:mod:`.hub`), the relay of a rank's events to Dask (:mod:`.relay`), the bounded best-effort call to the
+scheduler (:mod:`.scheduler_call`) and a leaving
 worker's grace period (:mod:`.leaving`).
 
 May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`). Never torch at import time:
