@@ -261,7 +261,12 @@ class Supervisor:
             self.child.send(FlushRequest())
         except OSError:
             return
-        deadline = time.monotonic() + timeout
+        self._relay_held(time.monotonic() + timeout)
+        # published now, in this thread: the relay's own thread would publish it a tick later (it spaces the
+        # rank's batches), after the kill, when a closing worker may no longer reach the scheduler
+        self.relay.flush()
+
+    def _relay_held(self, deadline: float) -> None:
         while (left := deadline - time.monotonic()) > 0:
             if not self.child.conn.poll(left):
                 return
