@@ -64,6 +64,12 @@ def _outsider(master):
     return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
 
 
+def _landed(client) -> None:
+    """Wait until the store has done what ``client`` sent: its set and queue_push are not answered, so another
+    connection's later write could land first (one round trip on the same connection comes after them)."""
+    client.num_keys()
+
+
 def test_a_forged_first_notice_holds_no_genuine_one_back_and_is_counted(store):
     """The first genuine notice fans out to every rank's queue; a forged one in the first-notice key, or in a
     queue, is skipped and counted, and the watcher still gets the genuine notice."""
@@ -75,6 +81,7 @@ def test_a_forged_first_notice_holds_no_genuine_one_back_and_is_counted(store):
     forger.queue_push(KEY + "q/1", forged)
     forger.queue_push(KEY + "q/1", Seal(os.urandom(32)).sign("q/1", forged))  # signed, with another key
     forger.queue_push(KEY + "q/1", seal.sign("q/0", forged).replace("q/0", "q/1"))  # not the name it was signed for
+    _landed(forger)
     genuine = Notice(time.time() + 5, "worker w leaves", "w", "leave")
     boards[0].publish(genuine)
     got: list = []
@@ -87,6 +94,7 @@ def test_a_forged_first_notice_holds_no_genuine_one_back_and_is_counted(store):
     boards[1].publish(Notice(time.time() + 5, "a later notice", "", "grow"))  # a genuine one is there: it wins
     assert store.queue_len(KEY + "q/1") == 0
     forger.queue_push(KEY + "q/1", "end")  # a forged end would send the watcher away for good
+    _landed(forger)
     boards[1].end()
     assert boards[1].next_notice() is None and boards[1].forgeries.total == 4
     items = [it for msg in sent for it in msg.items]
