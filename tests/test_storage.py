@@ -188,7 +188,7 @@ def test_one_door_every_s3_filesystem_of_a_process_shares_its_botocore_session(s
     process; a session or profile the options name is kept, and a filesystem still pickles without it."""
     import pickle
 
-    from dask_ddp.data.folder_index import open_fs
+    from dask_ddp.data.storage import open_fs
 
     url, opts = f"s3://{s3['bucket']}/door", {**s3["storage_options"], "skip_instance_cache": True}
     resolved, path = storage.resolve(url, opts)

@@ -2,7 +2,8 @@
 
 Runs in: the rank process (or wherever the dataset is built), once per job:
 the index travels inside the pickled dataset, so DataLoader workers and other
-ranks never list again. :func:`open_fs` is :func:`dask_ddp.data.storage.open_fs` (the one door to a filesystem).
+ranks never list again. It opens its filesystem through :func:`dask_ddp.data.storage.open_fs`, the one door to
+a filesystem.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from dask_ddp.data import storage
 
-__all__ = ["FolderIndex", "index_folder", "open_fs", "normalize_root", "cat_many"]
+__all__ = ["FolderIndex", "index_folder", "normalize_root", "cat_many"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,6 @@ def normalize_root(root: str | os.PathLike) -> str:
     return stripped if stripped and not stripped.endswith(":") else root
 
 
-def open_fs(root: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
-    """``(filesystem, root path)``: :func:`dask_ddp.data.storage.open_fs` (a fresh filesystem, S3's with this
-    process's botocore session). Raises as :func:`dask_ddp.data.storage.resolve`."""
-    return storage.open_fs(root, storage_options)
-
-
 def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> FolderIndex:
     """List a folder tree once and return its :class:`FolderIndex` (reusable with ``S3ImageFolder(index=...)``).
 
@@ -76,7 +71,7 @@ def index_folder(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
         The credentials were refused or missing; the message names the URL, never the secret.
     """
     url, opts = normalize_root(root), dict(storage_options or {})
-    fs, fs_root = open_fs(url, opts)
+    fs, fs_root = storage.open_fs(url, opts)
     try:
         found = storage.call(lambda: _walk_local(fs_root) if isinstance(fs, LocalFileSystem) else
                              fs.find(fs_root, withdirs=True, detail=True), url, doing="listing it",

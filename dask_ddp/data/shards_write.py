@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 from dask_ddp.data import storage
-from dask_ddp.data.folder_index import cat_many, index_folder, normalize_root, open_fs
+from dask_ddp.data.folder_index import cat_many, index_folder, normalize_root
 from dask_ddp.data.shards_format import IMAGE_EXTS, INDEX_NAME, ShardIndex, crc32, pack_tar
 
 __all__ = ["write_shards", "parse_size"]
@@ -74,7 +74,7 @@ def write_shards(source: Any, url: str | os.PathLike, *, shard_size: int | str =
     """
     started, size = time.perf_counter(), parse_size(shard_size)
     out, out_opts = normalize_root(url), dict(storage_options or {})
-    fs, root = open_fs(out, out_opts)
+    fs, root = storage.open_fs(out, out_opts)
     index_path = f"{root}/{INDEX_NAME}"
     if not overwrite and storage.call(lambda: fs.exists(index_path), out, storage_options=out_opts):
         data = storage.call(lambda: fs.cat_file(index_path), out, storage_options=out_opts)
@@ -198,7 +198,7 @@ def _open(url: str, opts: dict, role: str = "out") -> tuple[Any, str]:
     key = (os.getpid(), url, json.dumps(opts, sort_keys=True, default=str))
     held = _FS.get(role)
     if held is None or held[0] != key:
-        _FS[role] = held = (key, open_fs(url, opts))
+        _FS[role] = held = (key, storage.open_fs(url, opts))
     return held[1]
 
 
@@ -234,7 +234,8 @@ def _write_tar(fs: Any, root: str, out: str, name: str, items: list) -> tuple[di
 
 def _write_folder_part(i: int, arg: tuple, fs: Any, root: str, out: str) -> tuple[list, list]:
     src, opts, files = arg
-    sfs, sroot = open_fs(src, opts) if "://" not in src or src.startswith("file://") else _open(src, opts, "src")
+    local = "://" not in src or src.startswith("file://")
+    sfs, sroot = storage.open_fs(src, opts) if local else _open(src, opts, "src")
     paths = [f"{sroot}/{f[0]}" for f in files]
     blobs = []
     for path, rel, got in zip(paths, (f[0] for f in files), cat_many(sfs, paths)):  # concurrent, one GET each

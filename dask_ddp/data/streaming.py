@@ -22,7 +22,7 @@ import numpy as np
 import torch.utils.data
 
 from dask_ddp.data import foreign_shards, storage
-from dask_ddp.data.folder_index import normalize_root, open_fs
+from dask_ddp.data.folder_index import normalize_root
 from dask_ddp.data.shards_format import INDEX_NAME, ShardDataError, ShardIndex, crc32, scan_tar
 from dask_ddp.data.stream_cache import ShardCache
 from dask_ddp.data.stream_fetch import ShardFetcher
@@ -205,7 +205,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         return state
 
     def _read_index(self) -> ShardIndex:
-        fs, root = open_fs(self.url, self.storage_options)
+        fs, root = storage.open_fs(self.url, self.storage_options)
         path = f"{root.rstrip('/')}/{INDEX_NAME}"
         try:
             data = storage.call(lambda: fs.cat_file(path), f"{self.url}/{INDEX_NAME}", doing="reading the index",
