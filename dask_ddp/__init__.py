@@ -14,7 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
-from dask_ddp.data.checkpoint import (
+from dask_ddp.checkpoint.sharded.api import load_sharded, save_sharded, wait_sharded
+from dask_ddp.checkpoint.sharded.writer import ShardError
+from dask_ddp.checkpoint.whole import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -22,8 +24,6 @@ from dask_ddp.data.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dask_ddp.data.dcp_storage import ShardError
-from dask_ddp.data.sharded import load_sharded, save_sharded, wait_sharded
 from dask_ddp.observe.sinks import CSVSink, JSONLinesSink, TensorBoardSink, plot_metrics
 from dask_ddp.rank.context import (
     Context,
@@ -58,20 +58,20 @@ __version__ = "0.1.0"
 # imports this package on the Dask worker's event loop, whose heartbeats would stop meanwhile. The client's
 # side (distributed's client, pandas) takes most of a second, and every rank process imports this package.
 _LAZY = {"S3ImageFolder": "data.image_folder", "ImageDecodeError": "data.image_folder", "Job": "client.job",
-         "dispatch": None, "checkpoint": None, "compat": None, "attach": "client.detach",
-         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "client.sweep",
-         "Sweep": "client.sweep", "attach_sweep": "client.sweep",
-         "SweepNotFound": "client.sweep_detach", "slurm_options": "client.slurm"}
+         "dispatch": None, "checkpoint": None, "data": None, "compat": None, "attach": "client.detach",
+         "DetachedJobNotFound": "client.detach", "MLflowSink": "observe.mlflow_sink", "sweep": "sweeps.handle",
+         "Sweep": "sweeps.handle", "attach_sweep": "sweeps.handle",
+         "SweepNotFound": "sweeps.detach", "slurm_options": "client.slurm"}
 
 
 if TYPE_CHECKING:  # what a type checker and an editor see; at run time they come from __getattr__
-    from dask_ddp import checkpoint, compat, dispatch  # noqa: F401 - public modules, not in __all__
+    from dask_ddp import checkpoint, compat, data, dispatch  # noqa: F401 - public modules, not in __all__
     from dask_ddp.client.detach import DetachedJobNotFound, attach
     from dask_ddp.client.job import Job
-    from dask_ddp.client.sweep import Sweep, attach_sweep, sweep
-    from dask_ddp.client.sweep_detach import SweepNotFound
     from dask_ddp.data.image_folder import ImageDecodeError, S3ImageFolder
     from dask_ddp.observe.mlflow_sink import MLflowSink
+    from dask_ddp.sweeps.detach import SweepNotFound
+    from dask_ddp.sweeps.handle import Sweep, attach_sweep, sweep
 
 
 def __getattr__(name: str) -> Any:

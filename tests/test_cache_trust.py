@@ -29,8 +29,8 @@ import pytest
 from test_streaming import make_folder
 
 from dask_ddp.data import S3ImageFolder, StreamingDataset, write_shards
-from dask_ddp.data.shards_format import crc32
-from dask_ddp.data.stream_cache import ShardCache
+from dask_ddp.data.streaming.cache import ShardCache
+from dask_ddp.data.streaming.format import crc32
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
                                 reason="acts as another local user (useradd, then its uid): needs root")

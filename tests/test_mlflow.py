@@ -100,7 +100,7 @@ def read_data(data, storage_options, loaders=(), **more):
 
 @pytest.mark.slow
 def test_credentials_in_a_jobs_arguments_and_options_never_reach_mlflow(client, store):
-    """Through the masking the logs use (dask_ddp.data.storage): URL userinfo, secret-looking options (in dicts,
+    """Through the masking the logs use (dask_ddp.storage): URL userinfo, secret-looking options (in dicts,
     in lists), a secret-looking argument, and each such value wherever else it appears."""
     options = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
     sink = dask_ddp.MLflowSink(store, experiment="secrets", params={"source": URL, "token": "tok-12345"},

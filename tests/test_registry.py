@@ -19,8 +19,9 @@ import dask
 import pytest
 from _cluster import wait_until
 
-from dask_ddp.client import detach, sweep_detach
+from dask_ddp.client import detach
 from dask_ddp.client.registry import DriverRegistry
+from dask_ddp.sweeps import detach as sweep_detach
 from dask_ddp.wire.plan import make_plan, workers_from_scheduler_info
 from dask_ddp.wire.spec import LaunchSpec
 

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from dask_ddp.data.storage import open_fs
+from dask_ddp.storage import open_fs
 
 
 def _child(url: str, opts: dict, parent_session_id: int, out) -> None:

@@ -21,7 +21,7 @@ from _cluster import CliWorkers, detached, no_running_ranks, wait_until
 from dask.distributed import Client
 
 import dask_ddp
-from dask_ddp.client.sweep_detach import absolute_storage
+from dask_ddp.sweeps.detach import absolute_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 CAP = 1_000_000  # ddp.detached.max-result-bytes of the module's scheduler

@@ -147,12 +147,12 @@ def test_bad_input_names_what_to_do(tmp_path, s3):
 
 
 def test_keep_prunes_old_steps_but_never_a_leased_one(tmp_path):
-    from dask_ddp.data import checkpoint as whole
-    from dask_ddp.data import sharded_folder
+    from dask_ddp.checkpoint import folder as checkpoint_folder
+    from dask_ddp.checkpoint.sharded import folder as sharded_folder
 
     model = build()
     dask_ddp.save_sharded({"model": model}, 1, directory=str(tmp_path))
-    where = whole._where(str(tmp_path), None)
+    where = checkpoint_folder.where(str(tmp_path), None)
     with sharded_folder.lease(where, sharded_folder.committed(where)[1]):  # a reader holds step 1
         for step in (2, 3, 4):
             dask_ddp.save_sharded({"model": model}, step, directory=str(tmp_path), keep=2)

@@ -12,7 +12,8 @@ import torch
 from _cluster import local_client, run
 
 import dask_ddp
-from dask_ddp.data import dcp_storage, sharded_async
+from dask_ddp.checkpoint.sharded import background as sharded_async
+from dask_ddp.checkpoint.sharded import writer as dcp_storage
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ import torch._dynamo  # noqa: F401 - imported once here, not in every forked ran
 import torch.distributed.fsdp  # noqa: F401
 
 import dask_ddp
-from dask_ddp.data import dcp_storage
+from dask_ddp.checkpoint.sharded import writer as dcp_storage
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sharded_ranks import run_ranks  # noqa: E402
@@ -65,9 +65,9 @@ def _local_shards(model):
 
 
 def _chaos(rank, world, directory, options, runs, seed):
-    from dask_ddp.data import checkpoint as whole
+    from dask_ddp.checkpoint import folder as checkpoint_folder
 
-    where = whole._where(directory, options)
+    where = checkpoint_folder.where(directory, options)
     model = dask_ddp.shard_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)))
     rng = random.Random(seed)
     snapshots, latest, outcomes = {}, None, {"ok": 0, "cut": 0, "cut-after-commit": 0}

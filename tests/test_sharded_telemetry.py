@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import torch
 
 import dask_ddp
+from dask_ddp.checkpoint.sharded import background as sharded_async
 from dask_ddp.dashboard import prometheus
 from dask_ddp.dashboard.page import rank_table
 from dask_ddp.dashboard.state import DashboardState
-from dask_ddp.data import sharded_async
 from dask_ddp.observe import display
 from dask_ddp.rank import telemetry
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dask_ddp
-from dask_ddp.data.dcp_storage import ShardError
+from dask_ddp.checkpoint.sharded.writer import ShardError
 
 EVERY = 3
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'

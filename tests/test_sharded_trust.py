@@ -30,7 +30,7 @@ import torch.distributed.fsdp  # noqa: F401
 
 import dask_ddp
 from dask_ddp.checkpoint import CheckpointError, export_sharded, list_sharded, read_sharded
-from dask_ddp.data.dcp_storage import ShardError
+from dask_ddp.checkpoint.sharded.writer import ShardError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sharded_ranks import run_ranks  # noqa: E402
@@ -220,18 +220,20 @@ def test_the_reader_refuses_a_planner_that_would_unpickle_unsafely(tmp_path):
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dask_ddp.data import checkpoint as whole
-    from dask_ddp.data import dcp_reader, sharded_folder, sharded_state
+    from dask_ddp.checkpoint import folder as checkpoint_folder
+    from dask_ddp.checkpoint.sharded import folder as sharded_folder
+    from dask_ddp.checkpoint.sharded import reader as dcp_reader
+    from dask_ddp.checkpoint.sharded import state as sharded_state
 
     dask_ddp.save_sharded({"model": _build(), "epoch": 3}, 1, directory=str(tmp_path))
-    where = whole._where(str(tmp_path), None)
+    where = checkpoint_folder.where(str(tmp_path), None)
     found = sharded_folder.committed(where)[1]
     reader = dcp_reader.ShardReader(where.fs, f"{sharded_folder.base(where)[0]}/{found.folder}", found.url,
                                     sharded_folder.read_metadata(where, found))
     with pytest.raises(TypeError, match="weights_only=False, which can run code") as err:
         sharded_state.run_dcp(lambda: _load_state_dict({}, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
                                                        no_dist=True), "reading", 1)
-    assert "dask_ddp.data.dcp_values" in str(err.value)
+    assert "dask_ddp.checkpoint.sharded.values" in str(err.value)
 
 
 # ---- finding 11: a forged or stale commit marker of a newer step ------------------------------------------
@@ -257,7 +259,7 @@ def _skips(caplog, step) -> list[str]:
 
 @pytest.fixture
 def caplog_ddp(caplog):
-    caplog.set_level(logging.WARNING, logger="dask_ddp.data.sharded_folder")
+    caplog.set_level(logging.WARNING, logger="dask_ddp.checkpoint.sharded.folder")
     return caplog
 
 

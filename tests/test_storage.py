@@ -1,4 +1,4 @@
-"""dask_ddp.data.storage: URL resolution, error mapping and redaction, alone and as checkpoints and sinks use it.
+"""dask_ddp.storage: URL resolution, error mapping and redaction, alone and as checkpoints and sinks use it.
 
 The end-to-end cases write to moto's S3 server on 127.0.0.1 (conftest's ``s3``
 fixture) with the credentials missing, partial or refused: with auth enforced
@@ -17,7 +17,7 @@ import pytest
 from botocore.exceptions import ClientError, NoCredentialsError
 
 from dask_ddp import checkpoint as ck
-from dask_ddp.data import storage
+from dask_ddp import storage
 from dask_ddp.observe.sinks import CSVSink, JSONLinesSink
 
 KEY, SECRET = "AKIAPLANTEDKEY123", "planted-secret-xyz"
@@ -188,7 +188,7 @@ def test_one_door_every_s3_filesystem_of_a_process_shares_its_botocore_session(s
     process; a session or profile the options name is kept, and a filesystem still pickles without it."""
     import pickle
 
-    from dask_ddp.data.storage import open_fs
+    from dask_ddp.storage import open_fs
 
     url, opts = f"s3://{s3['bucket']}/door", {**s3["storage_options"], "skip_instance_cache": True}
     resolved, path = storage.resolve(url, opts)

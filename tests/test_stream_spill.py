@@ -24,8 +24,8 @@ SHARDS = 10
 
 READER = r"""
 import json, os, sys, time
-from dask_ddp.data.shards_format import ShardIndex
-from dask_ddp.data.stream_fetch import ShardFetcher
+from dask_ddp.data.streaming.format import ShardIndex
+from dask_ddp.data.streaming.fetch import ShardFetcher
 import fsspec
 
 url, opts, spill, hold = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"

@@ -18,8 +18,9 @@ import torch
 from PIL import Image
 
 import dask_ddp
-from dask_ddp.data import SampleDecodeError, ShardDataError, StreamingDataset, stream_state, write_shards
-from dask_ddp.data.stream_order import epoch_order
+from dask_ddp.data import SampleDecodeError, ShardDataError, StreamingDataset, write_shards
+from dask_ddp.data.streaming import state as stream_state
+from dask_ddp.data.streaming.order import epoch_order
 
 N = 101  # a prime: no batch size or world size divides it
 

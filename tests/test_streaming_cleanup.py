@@ -21,7 +21,7 @@ import psutil
 from test_streaming import make_folder
 
 from dask_ddp.data import write_shards
-from dask_ddp.data.shards_format import ShardIndex, crc32
+from dask_ddp.data.streaming.format import ShardIndex, crc32
 
 CYCLES = 50
 PRIVATE = f"dask-ddp-{os.geteuid()}"  # the user's private folder in a cache_dir
@@ -56,7 +56,7 @@ def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
     print(f"/dev/shm {'of the killed processes alone' if private else '(shared)'} after the cycles: {left}")
     if private:
         assert left == [], "shared-memory segments or semaphores outlived their killed processes"
-    from dask_ddp.data.stream_cache import ShardCache
+    from dask_ddp.data.streaming.cache import ShardCache
 
     # opening a cache evicts what a process killed between its write and its eviction left
     folder = Path(ShardCache(cache, 40_000).folder)  # the user's private folder in cache_dir
@@ -74,7 +74,7 @@ def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
 
 
 def shard_name(index: ShardIndex, root: str, j: int) -> str:
-    from dask_ddp.data.stream_cache import ShardCache
+    from dask_ddp.data.streaming.cache import ShardCache
 
     return ShardCache.name(f"{root}/{index.shards[j]}", index.sizes[j], index.crcs[j])
 
@@ -84,7 +84,7 @@ def test_cached_shards_are_shared_memory_maps_that_outlive_their_eviction(tmp_pa
     map stays readable after the cache evicts the file under it."""
     import mmap
 
-    from dask_ddp.data.stream_cache import ShardCache
+    from dask_ddp.data.streaming.cache import ShardCache
 
     cache = ShardCache(tmp_path / "cache", 3000)
     folder = Path(cache.folder)  # the user's private folder in cache_dir

@@ -25,10 +25,10 @@ import pytest
 from _cluster import leftover_processes, local_client, no_running_ranks, wait_until
 
 import dask_ddp
-from dask_ddp.client import search
-from dask_ddp.client.placement import pick, place
-from dask_ddp.client.sweep_driver import Driver, SweepSpec
-from dask_ddp.client.trial import TRIAL_ENDED
+from dask_ddp.sweeps import search
+from dask_ddp.sweeps.driver import Driver, SweepSpec
+from dask_ddp.sweeps.placement import pick, place
+from dask_ddp.sweeps.trial import TRIAL_ENDED
 from dask_ddp.wire.errors import PlanError, SerializationError
 from dask_ddp.wire.plan import WorkerInfo
 
@@ -554,7 +554,7 @@ def test_a_client_closing_under_the_drivers_call_cancels_the_sweep_not_fails_it(
     driver had a bug. A closed client cancels its sweep, whenever it closes."""
     from dask.distributed import Client
 
-    from dask_ddp.client import sweep_driver
+    from dask_ddp.sweeps import driver as sweep_driver
 
     other = Client(client4.scheduler.address, set_as_default=False)
     real, started, closed = sweep_driver.scheduler_workers, [], []
@@ -586,7 +586,7 @@ def test_client_close_mid_sweep_cancels_it_and_none_of_its_trials_fail(client4):
     CANCELLED and the sweep ends CANCELLED at once."""
     from dask.distributed import Client
 
-    from dask_ddp.client import sweep_driver
+    from dask_ddp.sweeps import driver as sweep_driver
 
     other = Client(client4.scheduler.address, set_as_default=False)
     try:
@@ -627,7 +627,7 @@ def test_bad_input_is_refused_before_anything_starts(client4, kw, error, match):
 
 
 def _claims(dask_scheduler=None) -> dict:
-    from dask_ddp.client import sweep_names
+    from dask_ddp.sweeps import names as sweep_names
 
     with sweep_names.LOCK:
         return dict(sweep_names._CLAIMS)
@@ -812,7 +812,7 @@ def test_space_entries_become_optuna_distributions():
 
 
 def test_a_trial_row_has_the_columns_of_an_empty_results_table():
-    from dask_ddp.client.trial import COLUMNS, TrialRecord
+    from dask_ddp.sweeps.trial import COLUMNS, TrialRecord
 
     row = TrialRecord(3, {"lr": 0.1, "ranks": 2}, 2).row()
     assert [k for k in row if not k.startswith("params_")] == list(COLUMNS)

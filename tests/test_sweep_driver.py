@@ -3,8 +3,8 @@
 As ``tests/test_controller.py`` does for the job controller: the fake client answers the scheduler's workers, the
 fake ``dispatch.run`` records each trial's job (its workers, its name, ``resume_from``) and the test decides when a
 trial's job reports and ends, by posting to the driver's inbox what the job's callbacks would post
-(:class:`~dask_ddp.client.trial.TrialHooks`). The study is a real Optuna study in memory; the trials' queue is the
-driver's :class:`~dask_ddp.client.trial_queue.TrialQueue`.
+(:class:`~dask_ddp.sweeps.trial.TrialHooks`). The study is a real Optuna study in memory; the trials' queue is the
+driver's :class:`~dask_ddp.sweeps.queue.TrialQueue`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 
 optuna = pytest.importorskip("optuna")
 
-from dask_ddp.client import sweep_driver  # noqa: E402
-from dask_ddp.client.sweep_driver import Driver  # noqa: E402
-from dask_ddp.client.trial import SweepSpec  # noqa: E402
+from dask_ddp.sweeps import driver as sweep_driver  # noqa: E402
+from dask_ddp.sweeps.driver import Driver  # noqa: E402
+from dask_ddp.sweeps.trial import SweepSpec  # noqa: E402
 
 State = optuna.trial.TrialState
 SPACE = {"x": optuna.distributions.FloatDistribution(0.0, 1.0)}

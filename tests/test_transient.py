@@ -1,4 +1,4 @@
-"""The one rule for what is transient and how it is retried (dask_ddp.data.transient), and its three users.
+"""The one rule for what is transient and how it is retried (dask_ddp.storage.transient), and its three users.
 
 Real botocore ``ClientError``s (as s3fs raises them: translated to an ``OSError`` chaining the original), real
 builtin, botocore, aiohttp and fsspec network errors; the retry against a fake callable that fails N times,
@@ -15,7 +15,10 @@ import fsspec.exceptions
 import pytest
 from s3fs.errors import translate_boto_error
 
-from dask_ddp.data import dcp_storage, image_folder, stream_fetch, transient
+from dask_ddp.checkpoint.sharded import writer as dcp_storage
+from dask_ddp.data import image_folder
+from dask_ddp.data.streaming import fetch as stream_fetch
+from dask_ddp.storage import transient
 
 
 def client_error(code: str, status: int = 503) -> be.ClientError:

@@ -1,4 +1,4 @@
-"""The sweep's queue of asked trials alone (:class:`dask_ddp.client.trial_queue.TrialQueue`): a real Optuna study in
+"""The sweep's queue of asked trials alone (:class:`dask_ddp.sweeps.queue.TrialQueue`): a real Optuna study in
 memory, no cluster, no driver. What was asked and not told, the line to start and its head's passes, the count
 against ``n_trials``, a walked grid."""
 
@@ -8,7 +8,7 @@ import pytest
 
 optuna = pytest.importorskip("optuna")
 
-from dask_ddp.client.trial_queue import TrialQueue  # noqa: E402
+from dask_ddp.sweeps.queue import TrialQueue  # noqa: E402
 
 State = optuna.trial.TrialState
 SPACE = {"x": optuna.distributions.FloatDistribution(0.0, 1.0)}

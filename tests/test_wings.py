@@ -18,17 +18,20 @@ import pytest
 from test_imports import PACKAGE, Edge, import_graph
 
 ROOT = PACKAGE.parent
-WINGS = ("client", "worker", "rank", "wire", "data", "observe", "dashboard")
-FACADE = ("dask_ddp", "dask_ddp.dispatch", "dask_ddp.checkpoint")  # the public paths: they may import any wing
+WINGS = ("client", "sweeps", "worker", "rank", "wire", "storage", "checkpoint", "data", "observe", "dashboard")
+FACADE = ("dask_ddp", "dask_ddp.dispatch")  # the public paths: they may import any wing
 #: wing -> the wings it may import (its own always; ``config`` is every process's settings)
 MAY_IMPORT = {
     "wire": {"config"},
+    "storage": {"wire", "config"},
     "worker": {"wire", "config"},
-    "rank": {"data", "wire", "config"},
-    "data": {"wire", "config"},
-    "observe": {"data", "wire", "config"},
+    "checkpoint": {"storage", "wire", "config"},
+    "data": {"checkpoint", "storage", "wire", "config"},
+    "rank": {"data", "checkpoint", "storage", "wire", "config"},
+    "observe": {"storage", "wire", "config"},
     "dashboard": {"wire", "config"},
-    "client": {"worker", "observe", "dashboard", "data", "wire", "config"},
+    "client": {"worker", "observe", "dashboard", "data", "checkpoint", "storage", "wire", "config"},
+    "sweeps": {"client", "worker", "observe", "dashboard", "checkpoint", "storage", "wire", "config"},
     "cli": None,  # None: anything (the shell's and the old package's front doors)
     "compat": None,
     "config": set(),
@@ -74,15 +77,15 @@ def test_the_rule_finds_a_violation_and_lets_the_allowed_pass():
         return Edge(source, target, "x.py:1", function)
 
     assert violations([edge("dask_ddp.client.job", "dask_ddp.worker.plugin"),
-                       edge("dask_ddp.rank.main", "dask_ddp.data.checkpoint"),
+                       edge("dask_ddp.rank.main", "dask_ddp.checkpoint.whole"),
                        edge("dask_ddp.worker.hub", "dask_ddp.config"),
                        edge("dask_ddp.cli.demo", "dask_ddp.rank.context"),
                        edge("dask_ddp.dispatch", "dask_ddp.client.dispatch")]) == []
     bad = violations([edge("dask_ddp.wire.task", "dask_ddp.client.launch", "f"),
                       edge("dask_ddp.worker.leaving", "dask_ddp.rank.preemption"),
-                      edge("dask_ddp.data.checkpoint", "dask_ddp")])
+                      edge("dask_ddp.checkpoint.whole", "dask_ddp")])
     assert [b.split(":")[0] for b in bad] == ["wire/ may not import client/", "worker/ may not import rank/",
-                                             "data/ may not import the package (it imports the rank and observe "
+                                             "checkpoint/ may not import the package (it imports the rank and observe "
                                              "wings)"]
 
 

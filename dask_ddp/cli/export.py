@@ -46,7 +46,7 @@ def add_parser(commands) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``dask-ddp export``; return the exit code. Raises nothing but KeyboardInterrupt."""
-    from dask_ddp.data.sharded_export import export_sharded
+    from dask_ddp.checkpoint.sharded.export import export_sharded
 
     try:
         options = json.loads(args.storage_options) if args.storage_options else None

@@ -83,7 +83,8 @@ def last_checkpoint_step(checkpoint_dir: str | None, run_id: str, options: dict)
     """The step of the newest complete checkpoint of the job's folder (None: none, or it cannot be listed)."""
     if checkpoint_dir is None:
         return None
-    from dask_ddp.data.checkpoint import job_folder, list_checkpoints
+    from dask_ddp.checkpoint.folder import job_folder
+    from dask_ddp.checkpoint.whole import list_checkpoints
 
     try:
         found = list_checkpoints(job_folder(checkpoint_dir, run_id), storage_options=options)

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pandas as pd
 
+from dask_ddp.checkpoint.folder import job_folder
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.control import Control, LocalControl
 from dask_ddp.client.record import ENDED, format_log
-from dask_ddp.data.checkpoint import job_folder
 from dask_ddp.observe.display import job_html, progress_text
 from dask_ddp.observe.progress import Progress
 from dask_ddp.observe.sinks import plot_metrics

@@ -1,5 +1,5 @@
 """The scheduler's registry of detached drivers: detached jobs' (:mod:`.detach`) and detached sweeps'
-(:mod:`.sweep_detach`) alike.
+(:mod:`dask_ddp.sweeps.detach`) alike.
 
 Runs in: the scheduler's process (a driver's own thread, and the functions a client calls there through
 ``client.run_on_scheduler``); a unit test anywhere (it imports nothing of dask_ddp).

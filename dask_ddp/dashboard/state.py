@@ -13,7 +13,7 @@ Two kinds of messages arrive:
 - on ``dask-ddp-jobs``, what the client's controller says: ``{"kind": "job", "run", "name", "state",
   "attempt", "time", "ranks": [{"rank", "worker", "host", "device"}]}`` at every state transition and
   ``{"kind": "straggler", "run", "rank", "worker", "host", "cause", "time", "message"}``, and what a
-  sweep's driver says (:mod:`dask_ddp.client.sweep_view`): ``{"kind": "sweep", "sweep", "state", "time",
+  sweep's driver says (:mod:`dask_ddp.sweeps.view`): ``{"kind": "sweep", "sweep", "state", "time",
   "n_trials", "trials": {state: count}, "busy", "room", "occupancy"}``, kept in ``sweeps``.
 
 Everything is bounded: the last ``keep_jobs`` jobs (ended ones are dropped first), ``history`` step times

@@ -3,7 +3,7 @@
 Runs in: the rank process and its DataLoader workers (each reads and writes
 the same folder; writes are atomic, so they never see half a file).
 
-The objects live in ``<cache>/dask-ddp-<uid>`` (a :mod:`.private_folder`: ``0700``, files ``0600``), so a
+The objects live in ``<cache>/dask-ddp-<uid>`` (a :mod:`dask_ddp.storage.private`: ``0700``, files ``0600``), so a
 private bucket's images are readable by their user alone, and a file is read only when it is a regular
 file this user wrote there (another local user can plant none: a folder they made or could write is
 refused). A cache is a speed-up, never a reason for a sample to fail: when the folder cannot be used
@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 
-from dask_ddp.data.private_folder import PrivateFolder
+from dask_ddp.storage.private import PrivateFolder
 
 __all__ = ["BlobCache"]
 

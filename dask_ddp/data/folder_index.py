@@ -2,7 +2,7 @@
 
 Runs in: the rank process (or wherever the dataset is built), once per job:
 the index travels inside the pickled dataset, so DataLoader workers and other
-ranks never list again. It opens its filesystem through :func:`dask_ddp.data.storage.open_fs`, the one door to
+ranks never list again. It opens its filesystem through :func:`dask_ddp.storage.open_fs`, the one door to
 a filesystem.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from fsspec.implementations.local import LocalFileSystem
 
-from dask_ddp.data import storage
+from dask_ddp import storage
 
 __all__ = ["FolderIndex", "index_folder", "normalize_root", "cat_many"]
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from dask_ddp.data.shards_format import ShardDataError
+from dask_ddp.data.streaming.format import ShardDataError
 
 __all__ = ["EncodedBatch", "encoded_bytes", "collate_encoded", "decode_images"]
 
@@ -67,7 +67,7 @@ def decode_images(encoded: EncodedBatch | Sequence[torch.Tensor], device: Any = 
     """
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from dask_ddp.data.streaming import SampleDecodeError
+    from dask_ddp.data.streaming.dataset import SampleDecodeError
 
     if isinstance(encoded, EncodedBatch):
         encoded = encoded.tensors()

@@ -24,7 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 
-from dask_ddp.data import storage, transient
+from dask_ddp import storage
 from dask_ddp.data.blob_cache import BlobCache
 from dask_ddp.data.folder_index import (
     FolderIndex,
@@ -32,6 +32,7 @@ from dask_ddp.data.folder_index import (
     index_folder,
     normalize_root,
 )
+from dask_ddp.storage import transient
 
 __all__ = ["S3ImageFolder", "FolderIndex", "ImageDecodeError", "index_folder", "pil_loader"]
 
@@ -319,7 +320,7 @@ class S3ImageFolder(ImageFolder):
 
     @staticmethod
     def _transient(err: BaseException) -> bool:
-        """The one rule (:func:`dask_ddp.data.transient.transient`); a GET is idempotent: any other OSError too."""
+        """The one rule (:func:`dask_ddp.storage.transient.transient`); a GET is idempotent: any other OSError too."""
         return transient.transient(err, any_os_error=True)
 
     def _fetch_error(self, url: str, err: BaseException, attempts: int) -> BaseException:

@@ -17,7 +17,7 @@ report's step and time (TensorBoardSink's names); metrics are sent in batches of
 ``flush_interval`` seconds and at the end. A failing tracking server is logged by the job, which disables
 the sink and trains on.
 
-No credential reaches the tracking server, by the rules the logs follow (:func:`dask_ddp.data.storage.redact`)
+No credential reaches the tracking server, by the rules the logs follow (:func:`dask_ddp.storage.redact`)
 and a few more (:func:`mask_text`): a parameter or tag whose name looks secret (``key``, ``secret``, ``token``,
 ``password``, ...) is logged as ``***``, so is such an entry of a dict (``storage_options={"key": ...,
 "secret": ...}``, at any depth, in lists too) or a field of a dataclass, ``argparse.Namespace``,
@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import cloudpickle
 
-from dask_ddp.data.storage import masked, redact
 from dask_ddp.observe.sinks import LEAD
+from dask_ddp.storage import masked, redact
 
 if TYPE_CHECKING:
     from dask_ddp.client.job import Job
@@ -89,7 +89,7 @@ def _masked_value(m: re.Match) -> str:
 
 
 def mask_text(text: str, secrets: Mapping | None = None) -> str:
-    """``text`` as MLflow may show it: redacted by :func:`~dask_ddp.data.storage.redact` (URL userinfo; each secret
+    """``text`` as MLflow may show it: redacted by :func:`~dask_ddp.storage.redact` (URL userinfo; each secret
     value of ``secrets``), then the value of each secret-looking ``NAME=value`` (or ``NAME: value``, ``--NAME value``,
     a URL query parameter such as ``X-Amz-Signature``) and each token known by its form (``ghp_...``, ``hf_...``,
     ``sk-...``, ``AKIA...``, JWTs, ``Bearer ...``, ``Basic ...``, private-key blocks) given as ``***``. Raises
@@ -131,7 +131,7 @@ def _mappings(value: Any, found: list, depth: int = 0) -> list:
 def shown(values: Mapping, limit: int | None = MAX_PARAM) -> dict[str, str]:
     """``values`` (parameters or tags) as text for MLflow, masked as the logs are.
 
-    Secret-looking names give ``***`` (:func:`~dask_ddp.data.storage.masked`); every value of a secret-looking
+    Secret-looking names give ``***`` (:func:`~dask_ddp.storage.masked`); every value of a secret-looking
     name in any dict or config object (dataclass, ``Namespace``) within them, and the userinfo of URLs, are
     masked wherever they appear, and so are secret-looking ``NAME=value`` texts and known tokens
     (:func:`mask_text`); then each text is cut to ``limit`` characters (never before: a secret cut in two would

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from dask_ddp.data import storage
+from dask_ddp import storage
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,7 +48,7 @@ def _row(event: dict) -> dict:
 def _open(url: str, storage_options: dict | None, who: str):
     """Open ``url`` for writing bytes with fsspec (parent directories made on local disks).
 
-    Missing or refused credentials and missing buckets raise as :func:`dask_ddp.data.storage.call` says;
+    Missing or refused credentials and missing buckets raise as :func:`dask_ddp.storage.call` says;
     other backend errors keep their builtin type and get the URL in their message.
     """
     def open_():

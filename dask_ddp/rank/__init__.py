@@ -9,5 +9,6 @@ helpers (:mod:`.context`), ``report()`` (:mod:`.reporting`), telemetry (:mod:`.t
 (:mod:`.devices`), where its store and collectives listen (:mod:`.network`) and FSDP2/HSDP's
 device mesh and ``fully_shard`` in one call (:mod:`.fsdp`).
 
-May import: :mod:`dask_ddp.data` and :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
+May import: :mod:`dask_ddp.data`, :mod:`dask_ddp.checkpoint`, :mod:`dask_ddp.storage` and :mod:`dask_ddp.wire` (and
+:mod:`dask_ddp.config`).
 """

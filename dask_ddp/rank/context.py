@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from dask_ddp.data import checkpoint as _checkpoint
+from dask_ddp.checkpoint import folder as checkpoint_folder
 from dask_ddp.wire.errors import NotInRankError
 
 __all__ = ["Context", "get_context", "rank_zero_first", "seed_everything", "all_reduce_mean"]
@@ -87,7 +87,7 @@ def get_context() -> Context:
 def _set_context(ctx: Context | None) -> None:
     global _CONTEXT
     _CONTEXT = ctx
-    _checkpoint._set_job(ctx)  # checkpoints default to the job's folder
+    checkpoint_folder.set_job(ctx)  # checkpoints default to the job's folder
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from dask_ddp.data import sharded_async
+from dask_ddp.checkpoint.sharded import background as sharded_async
 from dask_ddp.rank import context, preemption, reporting, telemetry
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous

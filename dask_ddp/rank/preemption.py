@@ -37,7 +37,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
-from dask_ddp.data.checkpoint import save_checkpoint
+from dask_ddp.checkpoint.whole import save_checkpoint
 from dask_ddp.rank.notice_board import END, KEY, Forgeries, NoticeBoard
 from dask_ddp.wire.notices import Notice, Seal, Stopped, grace_period
 
@@ -339,7 +339,7 @@ def _stop_at(st: _Rank, step: int) -> None:
 
 
 def _save(state: dict, step: int, kw: dict) -> None:
-    from dask_ddp.data import sharded
+    from dask_ddp.checkpoint.sharded import api as sharded
 
     if not kw.get("sharded"):
         save_checkpoint(state, step=step, **kw)

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from dask_ddp.data import sharded_async as _sharded_async
+from dask_ddp.checkpoint.sharded import background as _sharded_async
 from dask_ddp.rank import preemption as _preemption
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import NotInRankError

@@ -282,7 +282,7 @@ def checkpoint_fields() -> dict:
     """The rank's latest sharded save (``save_sharded``): step, training stall, wait for the previous async
     save, upload seconds, bytes this rank wrote and its MB/s (1e6 bytes); ``{}`` before the first save (the
     item then has the fields it always had)."""
-    from dask_ddp.data.sharded_async import SAVES
+    from dask_ddp.checkpoint.sharded.background import SAVES
 
     if not SAVES:
         return {}
