@@ -1,9 +1,12 @@
 """dask_ddp's modules import one another without a cycle: read from the source with ``ast``, nothing imported.
 
-A cycle works only while one of its imports stays hidden inside a function,
-and it hides who uses whom. So imports inside functions count: they still close
-the cycle at run time. The two kinds are reported apart, module-level cycles
-first. Imports under ``if TYPE_CHECKING:`` do not count (they never run). A
+A cycle works only while one of its imports stays hidden inside a function or
+under ``if TYPE_CHECKING:``, and it hides who uses whom. So every import
+counts: imports inside functions close the cycle at run time, and a type-only
+import still says that the lower module knows the upper one (where one side
+only needs a shape, a ``typing.Protocol`` in the lower module says what it
+needs). The kinds are reported apart: module-level cycles first, then cycles
+counting imports in functions and type-only ones, each import labelled. A
 package's ``__init__`` running before its submodules is not an edge (Python
 does that for every package); naming the package is (``import dask_ddp``,
 ``from .. import __version__``).
@@ -20,16 +23,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dask_ddp"
 
 @dataclass(frozen=True)
 class Edge:
-    """``source`` imports ``target`` at ``where`` (file:line), inside ``function`` (None: at module level)."""
+    """``source`` imports ``target`` at ``where`` (file:line), inside ``function`` (None: at module level);
+    ``type_only``: under ``if TYPE_CHECKING:`` (it never runs, and it still counts)."""
 
     source: str
     target: str
     where: str
     function: str | None
+    type_only: bool = False
 
     def __str__(self) -> str:
         scope = f"in {self.function}()" if self.function else "module level"
-        return f"{self.source} -> {self.target}  ({self.where}, {scope})"
+        return f"{self.source} -> {self.target}  ({self.where}, {scope}{', type only' if self.type_only else ''})"
+
+    @property
+    def runs_on_import(self) -> bool:
+        """True for an import that runs when ``source`` is imported: at module level and not type-only."""
+        return not self.function and not self.type_only
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -44,33 +54,35 @@ def module_files(root: Path) -> dict[str, Path]:
 
 
 def import_graph(root: Path) -> list[Edge]:
-    """Every import of one module of the package ``root`` by another, in functions or not."""
+    """Every import of one module of the package ``root`` by another: in functions or not, type-only or not."""
     files = module_files(root)
     edges = []
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         relative = path.relative_to(root.parent)
-        for node, function in _imports(ast.parse(path.read_text(), str(path))):
+        for node, function, type_only in _imports(ast.parse(path.read_text(), str(path))):
             for target in _targets(node, package, files):
                 if target != name:
-                    edges.append(Edge(name, target, f"{relative}:{node.lineno}", function))
+                    edges.append(Edge(name, target, f"{relative}:{node.lineno}", function, type_only))
     return edges
 
 
-def _imports(tree: ast.AST, function: str | None = None, scope: str = ""):
-    """``(import node, enclosing function or None)`` for every import that can run."""
+def _imports(tree: ast.AST, function: str | None = None, scope: str = "", type_only: bool = False):
+    """``(import node, enclosing function or None, under TYPE_CHECKING)`` for every import of ``tree``."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node, function
+            yield node, function, type_only
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), function, scope, True)
             for child in node.orelse:
-                yield from _imports(ast.Module(body=[child], type_ignores=[]), function, scope)
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), function, scope, type_only)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             inner = f"{scope}{node.name}"
             in_function = inner if not isinstance(node, ast.ClassDef) or function else function
-            yield from _imports(node, in_function, f"{inner}.")
+            yield from _imports(node, in_function, f"{inner}.", type_only)
         else:
-            yield from _imports(node, function, scope)
+            yield from _imports(node, function, scope, type_only)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -180,21 +192,50 @@ def test_the_detector_finds_and_labels_both_kinds(tmp_path):
     (pkg / "c.py").write_text("from pkg import d, VERSION\n")
     (pkg / "d.py").write_text("import pkg.c.x\n")
     edges = import_graph(pkg)
-    assert not [e for e in edges if e.target == "pkg.c" and e.source == "pkg.sub.b"]  # TYPE_CHECKING only
+    assert [str(e) for e in edges if e.type_only] == ["pkg.sub.b -> pkg.c  (pkg/sub/b.py:3, module level, type only)"]
     c_d = ["pkg.c -> pkg.d  (pkg/c.py:1, module level)", "pkg.d -> pkg.c  (pkg/d.py:1, module level)"]
-    assert [[str(hop[0]) for hop in hops] for hops in cycles([e for e in edges if not e.function])] == [c_d]
-    assert [[str(hop[0]) for hop in hops] for hops in cycles(edges)] == [
+    assert [[str(hop[0]) for hop in hops] for hops in cycles([e for e in edges if e.runs_on_import])] == [c_d]
+    runtime = [e for e in edges if not e.type_only]
+    assert [[str(hop[0]) for hop in hops] for hops in cycles(runtime)] == [
         ["pkg.a -> pkg.sub.b  (pkg/a.py:2, module level)", "pkg.sub.b -> pkg.a  (pkg/sub/b.py:6, in K.f())"], c_d]
     assert "pkg.c -> pkg" in [f"{e.source} -> {e.target}" for e in edges]  # VERSION: the package's __init__
+
+
+def test_the_detector_counts_a_cycle_closed_only_by_a_type_checking_import(tmp_path):
+    """Two modules that know each other only through ``if TYPE_CHECKING:`` (the job <-> sinks shape issue 41 found):
+    a cycle, labelled type only; an ``else:`` branch of it runs, and a ``typing.TYPE_CHECKING`` test is one too."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text("from pkg.sinks import CSVSink\n")
+    (pkg / "sinks.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from pkg.job import Job\n"
+                                  "else:\n    from pkg import other\n")
+    (pkg / "other.py").write_text("")
+    edges = import_graph(pkg)
+    assert [(str(e), e.runs_on_import) for e in edges if e.source == "pkg.sinks"] == [
+        ("pkg.sinks -> pkg.job  (pkg/sinks.py:3, module level, type only)", False),
+        ("pkg.sinks -> pkg.other  (pkg/sinks.py:5, module level)", True)]
+    assert cycles([e for e in edges if not e.type_only]) == []
+    assert [[str(hop[0]) for hop in hops] for hops in cycles(edges)] == [
+        ["pkg.job -> pkg.sinks  (pkg/job.py:1, module level)",
+         "pkg.sinks -> pkg.job  (pkg/sinks.py:3, module level, type only)"]]
+    assert "pkg.sinks -> pkg.job" in describe(cycles(edges)) and "type only" in describe(cycles(edges))
 
 
 # ---- dask_ddp ------------------------------------------------------------------------------------------------
 
 def test_no_import_cycle_at_module_level():
-    found = cycles([e for e in import_graph(PACKAGE) if not e.function])
+    found = cycles([e for e in import_graph(PACKAGE) if e.runs_on_import])
     assert not found, describe(found)
 
 
 def test_no_import_cycle_counting_imports_in_functions():
+    found = cycles([e for e in import_graph(PACKAGE) if not e.type_only])
+    assert not found, describe(found)
+
+
+def test_no_import_cycle_counting_type_only_imports():
+    """Issue 25 asked for 0 cycles, type-only included: a ``typing.Protocol`` in the lower module, where one side
+    only needs a shape (``observe.sinks.JobView``, ``client.notices.Notifier``, ``sweeps.pickup.Continuing``)."""
     found = cycles(import_graph(PACKAGE))
     assert not found, describe(found)

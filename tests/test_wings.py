@@ -1,8 +1,10 @@
 """The house plan as a tested rule: which wing may import which, how big a module may grow, what is public.
 
 Read from the source with ``ast`` (the import graph of ``test_imports``), nothing of dask_ddp imported for the
-rules; imports inside functions count (they run), imports under ``if TYPE_CHECKING:`` do not. The README's
-"Code layout" section shows the same table (``test_the_readme_shows_the_table``).
+rules; imports inside functions count (they run), and so do imports under ``if TYPE_CHECKING:`` (a lower wing that
+needs only the shape of an upper one's object declares a ``typing.Protocol`` of it, as ``observe.sinks.JobView``).
+The README's "Code layout" section shows the same table (``test_the_readme_shows_the_table``). The rules on private
+names and on module size are in ``test_house_rules``.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ def test_wings_import_only_what_the_table_allows():
 
 
 def test_the_rule_finds_a_violation_and_lets_the_allowed_pass():
-    def edge(source, target, function=None):
-        return Edge(source, target, "x.py:1", function)
+    def edge(source, target, function=None, type_only=False):
+        return Edge(source, target, "x.py:1", function, type_only)
 
     assert violations([edge("dask_ddp.client.job", "dask_ddp.worker.plugin"),
                        edge("dask_ddp.rank.main", "dask_ddp.checkpoint.whole"),
@@ -83,10 +85,12 @@ def test_the_rule_finds_a_violation_and_lets_the_allowed_pass():
                        edge("dask_ddp.dispatch", "dask_ddp.client.dispatch")]) == []
     bad = violations([edge("dask_ddp.wire.task", "dask_ddp.client.launch", "f"),
                       edge("dask_ddp.worker.leaving", "dask_ddp.rank.preemption"),
-                      edge("dask_ddp.checkpoint.whole", "dask_ddp")])
+                      edge("dask_ddp.checkpoint.whole", "dask_ddp"),
+                      edge("dask_ddp.observe.sinks", "dask_ddp.client.job", type_only=True)])
     assert [b.split(":")[0] for b in bad] == ["wire/ may not import client/", "worker/ may not import rank/",
                                              "checkpoint/ may not import the package (it imports the rank and observe "
-                                             "wings)"]
+                                             "wings)", "observe/ may not import client/"]
+    assert "type only" in bad[-1]
 
 
 @pytest.mark.parametrize("wing", [w for w in WINGS])

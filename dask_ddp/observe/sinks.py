@@ -26,19 +26,43 @@ import io
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dask_ddp import storage
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from dask_ddp.client.job import Job
+    from dask_ddp.wire.spec import LaunchSpec
 
 __all__ = ["JSONLinesSink", "CSVSink", "TensorBoardSink", "plot_metrics"]
 
 LEAD = ("rank", "attempt", "step", "time")
 _NOT_PLOTTED = frozenset(LEAD) | {"epoch", "kind", "elapsed"}
+
+
+class JobView(Protocol):
+    """What a sink may read of the job it is handed (:class:`dask_ddp.client.job.Job` has all of it).
+
+    A shape, not the class: the client wing imports the sinks, so the sinks may not import the client wing back
+    (``tests/test_imports.py`` and ``tests/test_wings.py`` count type-only imports too).
+    """
+
+    @property
+    def name(self) -> str:
+        """The job's name (its ``name=``, else the training function's)."""
+
+    @property
+    def run_id(self) -> str:
+        """The job's id: its name made safe plus 8 random hex."""
+
+    @property
+    def state(self) -> str:
+        """PENDING, RUNNING, RESTARTING, FINISHED, FAILED or CANCELLED."""
+
+    @property
+    def spec(self) -> LaunchSpec:
+        """What the job was launched with (frozen)."""
 
 
 def _row(event: dict) -> dict:
@@ -104,7 +128,7 @@ class _FileSink:
         if f is not None:
             self._io(f.close)
 
-    def on_finish(self, job: Job | None = None) -> None:
+    def on_finish(self, job: JobView | None = None) -> None:
         """Write what is buffered and close the file (on object stores: upload it).
 
         Raises
@@ -273,7 +297,7 @@ class TensorBoardSink:
                 if key not in LEAD and key != "kind":
                     self._writer.add_scalar(f"{key}/rank{rank}", float(value), global_step=step, walltime=walltime)
 
-    def on_finish(self, job: Job | None = None) -> None:
+    def on_finish(self, job: JobView | None = None) -> None:
         """Flush and close the event file."""
         with self._lock:
             writer, self._writer = self._writer, None
