@@ -18,7 +18,7 @@ import torch
 
 from dask_ddp import checkpoint as ck
 from dask_ddp.client.cluster import scheduler_workers
-from dask_ddp.rank.context import Context, _set_context
+from dask_ddp.rank.context import Context, set_context
 from dask_ddp.wire.errors import NotInRankError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,12 +54,12 @@ def as_rank():
     """Pretend to be a rank of a job: sets the context, resets it afterwards."""
 
     def enter(rank, world_size=2, **kw):
-        _set_context(Context(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-                             node_rank=0, num_nodes=1, device=torch.device("cpu"), device_ids=None,
-                             backend="gloo", run_id="test", **kw))
+        set_context(Context(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                            node_rank=0, num_nodes=1, device=torch.device("cpu"), device_ids=None,
+                            backend="gloo", run_id="test", **kw))
 
     yield enter
-    _set_context(None)
+    set_context(None)
 
 
 def names(directory, opts):

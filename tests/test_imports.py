@@ -236,6 +236,6 @@ def test_no_import_cycle_counting_imports_in_functions():
 
 def test_no_import_cycle_counting_type_only_imports():
     """Issue 25 asked for 0 cycles, type-only included: a ``typing.Protocol`` in the lower module, where one side
-    only needs a shape (``observe.sinks.JobView``, ``client.notices.Notifier``, ``sweeps.pickup.Continuing``)."""
+    only needs a shape (``observe.sinks.JobShape``, ``client.notices.Notifier``, ``sweeps.pickup.Continuing``)."""
     found = cycles(import_graph(PACKAGE))
     assert not found, describe(found)

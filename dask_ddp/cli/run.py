@@ -25,7 +25,7 @@ from dask_ddp.cli.script import Script, load_script, run_script
 from dask_ddp.client import dispatch
 from dask_ddp.wire.errors import PlanError
 
-__all__ = ["add_parser", "main"]
+__all__ = ["add_parser", "main", "run_on"]
 
 DESCRIPTION = """\
 Run SCRIPT on the workers of a Dask cluster, one rank per worker, as torchrun would:
@@ -134,10 +134,17 @@ def main(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"dask-ddp run: cannot reach the Dask scheduler at {args.scheduler}: {exc}", file=sys.stderr)
             return EXIT_FAILED
-        return _run_script(client, script, args)
+        return run_on(client, script, args)
 
 
-def _run_script(client, script: Script, args: argparse.Namespace) -> int:
+def run_on(client, script: Script, args: argparse.Namespace) -> int:
+    """Run the loaded ``script`` as a DDP job on ``client``'s cluster with the settings of the command line
+    ``args`` (``--workers``, ``--backend``, ``--max-restarts``, ``--progress``), wait for it and return the exit
+    code (``dask-ddp run``'s and ``dask-ddp slurm``'s, once their cluster is up).
+
+    Raises nothing of its own: a workers selection the cluster cannot plan is a usage error (its message on
+    stderr, the usage exit code); the job's own outcome is the exit code (see ``wait_for``).
+    """
     workers = args.workers if args.scheduler else None  # a local cluster has exactly --workers workers
     try:
         job = dispatch.run(client, run_script, script, workers=workers, backend=args.backend,

@@ -191,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
                   "node sees)", file=sys.stderr)
             return EXIT_FAILED
         args.workers, args.scheduler = tasks, cluster.scheduler_address
-        code = run._run_script(client, script, args)
+        code = run.run_on(client, script, args)
         if code and _ends_within(workers[0], 10.0):  # srun exits a little after its workers left the scheduler
             print("dask-ddp slurm: the workers' srun step ended while the job ran (SLURM's --signal before the "
                   "time limit, scancel, or the limit itself): what the ranks saved at the notice is what the "

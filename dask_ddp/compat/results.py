@@ -89,7 +89,7 @@ class DaskResultsHandler:
         """
         _check_path(path)
         payload = _encode(path, data)
-        buf = reporting._BUFFER
+        buf = reporting.current_buffer()
         if buf is None:
             get_context()  # raises NotInRankError with the standard message outside a rank
             raise NotInRankError("submit_result() has no channel to the client in this process (a DataLoader "

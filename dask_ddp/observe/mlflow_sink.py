@@ -47,7 +47,7 @@ from dask_ddp.observe.sinks import LEAD
 from dask_ddp.storage import masked, redact
 
 if TYPE_CHECKING:
-    from dask_ddp.observe.sinks import JobView
+    from dask_ddp.observe.sinks import JobShape
 
 __all__ = ["MLflowSink", "mask_text", "shown"]
 
@@ -197,7 +197,7 @@ class MLflowSink:
         self._last_flush = time.monotonic()
 
     # ---- callbacks -----------------------------------------------------------------------------------------
-    def on_start(self, job: JobView) -> None:
+    def on_start(self, job: JobShape) -> None:
         """Make the job's MLflow run and log its parameters.
 
         Raises
@@ -233,14 +233,14 @@ class MLflowSink:
             if time.monotonic() - self._last_flush >= self.flush_interval:
                 self._flush()
 
-    def on_restart(self, job: JobView, attempt: int) -> None:
+    def on_restart(self, job: JobShape, attempt: int) -> None:
         """The same MLflow run goes on; the tag ``dask_ddp.attempts`` counts the attempts."""
         with self._lock:
             self._flush()
             if self.run_id is not None:
                 self._client.set_tag(self.run_id, "dask_ddp.attempts", str(attempt + 1))
 
-    def on_finish(self, job: JobView) -> None:
+    def on_finish(self, job: JobShape) -> None:
         """Send what is queued and end the run with the job's outcome; the sink is then ready for another job."""
         with self._lock:
             try:

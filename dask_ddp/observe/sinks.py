@@ -41,7 +41,7 @@ LEAD = ("rank", "attempt", "step", "time")
 _NOT_PLOTTED = frozenset(LEAD) | {"epoch", "kind", "elapsed"}
 
 
-class JobView(Protocol):
+class JobShape(Protocol):
     """What a sink may read of the job it is handed (:class:`dask_ddp.client.job.Job` has all of it).
 
     A shape, not the class: the client wing imports the sinks, so the sinks may not import the client wing back
@@ -128,7 +128,7 @@ class _FileSink:
         if f is not None:
             self._io(f.close)
 
-    def on_finish(self, job: JobView | None = None) -> None:
+    def on_finish(self, job: JobShape | None = None) -> None:
         """Write what is buffered and close the file (on object stores: upload it).
 
         Raises
@@ -297,7 +297,7 @@ class TensorBoardSink:
                 if key not in LEAD and key != "kind":
                     self._writer.add_scalar(f"{key}/rank{rank}", float(value), global_step=step, walltime=walltime)
 
-    def on_finish(self, job: JobView | None = None) -> None:
+    def on_finish(self, job: JobShape | None = None) -> None:
         """Flush and close the event file."""
         with self._lock:
             writer, self._writer = self._writer, None

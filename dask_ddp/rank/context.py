@@ -84,7 +84,10 @@ def get_context() -> Context:
     return _CONTEXT
 
 
-def _set_context(ctx: Context | None) -> None:
+def set_context(ctx: Context | None) -> None:
+    """Make ``ctx`` this process's rank context (what :func:`get_context` returns; None: outside a rank again)
+    and default checkpoints to its job's folder. Called by the rank process once it joined its group (and by
+    tests). Raises nothing."""
     global _CONTEXT
     _CONTEXT = ctx
     checkpoint_folder.set_job(ctx)  # checkpoints default to the job's folder

@@ -84,11 +84,12 @@ def _default_sigterm() -> None:
         pass
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Kill the rank (and its DataLoader workers) once the Dask worker that started it is gone.
 
     Started before ``import torch``: the socket is read only after that import, which can take many
-    seconds on a loaded machine, and a spare must not outlive its worker for so long.
+    seconds on a loaded machine, and a spare must not outlive its worker for so long. Called by a spawned rank
+    (:func:`main`) and by the zygote's forked child (:mod:`dask_ddp.rank.zygote`). Raises nothing.
     """
     parent = os.getppid()
 
@@ -186,7 +187,7 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         fn, args, kwargs = cloudpickle.loads(task.call)  # fails here, before any rendezvous, if it must
         pickling.expose_main(fn, *args, *kwargs.values())  # the notebook's functions, as __main__.<name>
         joined.append(rendezvous(chan.send, task, master_port, sampler, ending=chan.ending))
-        context._set_context(context_of(task, joined[0]))
+        context.set_context(context_of(task, joined[0]))
         value = fn(*args, **kwargs)
         sharded_async.wait_previous()  # an async sharded save still uploading commits (or fails) before the outcome
         return value
@@ -235,7 +236,7 @@ def serve(fd: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dask_ddp.rank.main FD``: warm up, then :func:`serve` (a spawned rank)."""
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent()
     warm_imports()  # after the parent watch started (it can take many seconds), before Ready
     serve(int(argv[0]))
 

@@ -278,6 +278,12 @@ def announce(note: Notice, thread: bool = False) -> None:
     _heard(note)
 
 
+def notice_pending() -> bool:
+    """True once a preemption's or a growth's notice reached this rank: ``report()`` then calls
+    :func:`at_report` with each step, to agree on the step to stop at. Raises nothing."""
+    return _PENDING is not None
+
+
 def _clamped(note: Notice, grace: float) -> Notice:
     """``note`` with its deadline no later than ``grace`` seconds from now: whoever wrote it, a notice never
     holds a job longer than the grace period (a far deadline would keep cancel() and a dead client waiting)."""

@@ -265,11 +265,17 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     else:
         buf.put({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
                  **values}, size)
-    if _preemption._PENDING is not None:  # a worker of the job leaves: agree on a step, save, stop there
+    if _preemption.notice_pending():  # a worker of the job leaves: agree on a step, save, stop there
         _preemption.at_report(step)
 
 
 _STAMP = item_size({"kind": "metric", "rank": 0, "attempt": 0, "step": 0, "time": 0.0})
+
+
+def current_buffer() -> EventBuffer | None:
+    """This process's report buffer (made by :func:`install` in a rank's main process), or None: outside a rank,
+    or in a process forked from one (a DataLoader worker), which has no channel to the client. Raises nothing."""
+    return _BUFFER
 
 
 def _forget_buffer() -> None:

@@ -74,7 +74,7 @@ def _become_rank(ctl: socket.socket, replies: Connection, wake: tuple[int, int],
         _reseed()
         from dask_ddp.rank import main as rank
 
-        rank._die_with_parent()  # the zygote; it exits with its worker
+        rank.die_with_parent()  # the zygote; it exits with its worker
         rank.serve(chan)
     except BaseException:  # noqa: BLE001 - a child must never return into the zygote's loop
         os._exit(70)
