@@ -1,7 +1,7 @@
 """The sweep's driver stepped one iteration at a time against a fake cluster and a fake clock: no Dask, no processes.
 
 As ``tests/test_controller.py`` does for the job controller: the fake client answers the scheduler's workers, the
-fake ``dispatch.run`` records each trial's job (its workers, its name, ``resume_from``) and the test decides when a
+fake ``dispatch.start`` records each trial's job (its workers, its name, ``resume_from``) and the test decides when a
 trial's job reports and ends, by posting to the driver's inbox what the job's callbacks would post
 (:class:`~dask_ddp.sweeps.trial.TrialHooks`). The study is a real Optuna study in memory; the trials' queue is the
 driver's :class:`~dask_ddp.sweeps.queue.TrialQueue`.
@@ -64,8 +64,8 @@ class Cluster:
                                                         "status": "running"} for i in range(n_workers)}
         self.jobs: list[FakeJob] = []
 
-    def run(self, client, fn, *args, workers, name, callbacks, progress, **kwargs):
-        job = FakeJob(int(name.rpartition("trial")[2]), {**kwargs, "workers": workers})
+    def start(self, client, fn, args, kwargs, *, workers, name, callbacks, progress, **options):
+        job = FakeJob(int(name.rpartition("trial")[2]), {**kwargs, **options, "workers": workers})
         self.jobs.append(job)
         return job
 
@@ -75,7 +75,7 @@ def cluster(monkeypatch):
     cluster = Cluster(2)
     clock = Clock()
     monkeypatch.setattr(sweep_driver, "scheduler_workers", lambda client: cluster.workers)
-    monkeypatch.setattr(sweep_driver.dispatch, "run", cluster.run)
+    monkeypatch.setattr(sweep_driver.dispatch, "start", cluster.start)
     monkeypatch.setattr(sweep_driver, "time", clock)
     cluster.clock = clock
     return cluster

@@ -7,23 +7,25 @@ function and every argument must pickle (cloudpickle, so a function defined
 in a notebook travels by value), the workers must exist, the backend must be
 known. The result is a frozen :class:`~dask_ddp.wire.spec.LaunchSpec`; the
 :class:`~dask_ddp.client.job.Job` and its controller own everything live.
+
+For the layers above (``dask_ddp.sweeps``, ``dask_ddp.compat``), an internal API, not the user's:
+:func:`start` (``run`` with two options that a user never sets: the job's results kept pickled, its
+``warm-cuda``), :func:`make_spec` (``run``'s checks and the job's spec, nothing started),
+:func:`check_function` and :func:`plan_ranks` (the ranks that a ``workers=`` selection gives now). What ships
+and how is :mod:`dask_ddp.wire.pickling`'s (``dumps_call``, ``local_module``).
 """
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import math
 import numbers
 import os
 import re
-import sys
-import sysconfig
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import cloudpickle
 import dask
 
 from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
@@ -36,7 +38,7 @@ from dask_ddp.client.job import Job
 from dask_ddp.dashboard import install as install_dashboard
 from dask_ddp.wire import pickling
 from dask_ddp.wire import plan as planning
-from dask_ddp.wire.errors import PlanError, SerializationError
+from dask_ddp.wire.errors import PlanError
 from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.spec import LaunchSpec
 from dask_ddp.worker import plugin
@@ -44,62 +46,10 @@ from dask_ddp.worker import plugin
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["run", "attach", "warm_up", "LaunchSpec"]
+__all__ = ["run", "attach", "warm_up", "LaunchSpec"]  # the layers above use the functions named up top too
 
 BACKENDS = ("auto", "nccl", "gloo")
 MAX_NAME = 100
-# ddp.warm-cuda for the jobs this thread starts (None: the config's); a sweep's driver sets ddp.sweep.warm-cuda there
-WARM_CUDA: contextvars.ContextVar[bool | None] = contextvars.ContextVar("dask_ddp_warm_cuda", default=None)
-# the jobs this thread starts keep their ranks' values and errors pickled: set by a detached sweep's driver, in the
-# scheduler's process, where unpickling them could run a rank's code (client/policy.py: results, root_error)
-PICKLED: contextvars.ContextVar[bool] = contextvars.ContextVar("dask_ddp_pickled", default=False)
-
-def _local_module(fn: Callable):
-    """The module of ``fn`` when it is a user's file (a script, a test) rather than an installed package.
-
-    cloudpickle ships functions of importable modules by reference; the workers
-    would then fail with ModuleNotFoundError for a module that only the client has.
-    """
-    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
-    path = getattr(mod, "__file__", None)
-    if mod is None or mod.__name__ == "__main__" or not path:
-        return None
-    installed = {os.path.realpath(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"],
-                                               sysconfig.get_paths()["platlib"])}
-    real = os.path.realpath(path)
-    if any(real.startswith(p + os.sep) for p in installed) or mod.__name__.split(".")[0] == "dask_ddp":
-        return None
-    return mod
-
-
-def _check_pickles(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
-    mod = _local_module(fn)
-    if mod is not None and mod.__name__ in cloudpickle.list_registry_pickle_by_value():
-        mod = None  # the user registered it already: leave it registered
-    if mod is not None:
-        cloudpickle.register_pickle_by_value(mod)
-    try:
-        return _dumps(fn, args, kwargs)
-    finally:
-        if mod is not None:
-            cloudpickle.unregister_pickle_by_value(mod)
-
-
-def _dumps(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
-    try:
-        return pickling.dumps((fn, tuple(args), dict(kwargs)))  # the user's file names kept in tracebacks
-    except Exception as whole:  # noqa: BLE001 - find which part, to name it
-        parts = [("the function " + getattr(fn, "__qualname__", repr(fn)), fn)]
-        parts += [(f"positional argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
-        parts += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
-        for what, obj in parts:
-            try:
-                cloudpickle.dumps(obj)
-            except Exception as exc:  # noqa: BLE001
-                raise SerializationError(f"{what} cannot be pickled to ship to the workers: {exc}. Create it "
-                                         "inside the training function instead (e.g. open files, clients, locks "
-                                         "and CUDA tensors there)") from exc
-        raise SerializationError(f"the call cannot be pickled to ship to the workers: {whole}") from whole
 
 
 def _number(name: str, value, *, minimum: float = 0, allow_none: bool = False):
@@ -195,19 +145,37 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
     ClientClosedError
         The client is not connected.
     """
+    return start(client, fn, args, kwargs, workers=workers, backend=backend, master_addr=master_addr, name=name,
+                 callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
+                 max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, checkpoint_options=checkpoint_options,
+                 timeout=timeout, detach=detach)
+
+
+def start(client: Client, fn: Callable, args: Sequence, kwargs: dict, *, pickled: bool = False,
+          warm_cuda: bool | None = None, detach: bool = False, callbacks: Sequence = (), **options: Any) -> Job:
+    """:func:`run` for the layers above: ``fn(*args, **kwargs)``, ``run``'s own keywords in ``options`` (their
+    defaults where left out), and two that a user never sets.
+
+    ``pickled=True``: the job keeps its ranks' return values and exceptions pickled (``job.result()`` gives the
+    bytes, as a detached job's), for a caller in the scheduler's process, where unpickling one would run whatever
+    its ``__reduce__`` names (a detached sweep's driver). ``warm_cuda``: ``ddp.warm-cuda`` for this job (None:
+    the config's; a sweep's driver gives ``ddp.sweep.warm-cuda``).
+
+    Raises
+    ------
+    TypeError, SerializationError, PlanError, ClientClosedError
+        As :func:`run` (TypeError too for a keyword in ``options`` that ``run`` does not take).
+    """
     if not isinstance(detach, bool):
         raise TypeError(f"detach={detach!r}: expected True or False")
     if detach and callbacks:
         raise TypeError("a detached job takes no callbacks (they would run in the scheduler's process): attach "
                         "to it and read job.stream() instead")
-    spec = _make_spec(client, fn, args, kwargs, workers=workers, backend=backend, master_addr=master_addr,
-                      name=name, callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
-                      max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, timeout=timeout,
-                      checkpoint_options=checkpoint_options)
+    spec = make_spec(client, fn, args, kwargs, callbacks=callbacks, warm_cuda=warm_cuda, **options)
     install_dashboard(client)  # the DDP page and /metrics gauges on the scheduler (once; never raises)
     if detach:
         return detach_module.launch(client, spec)
-    return Job(client, spec, LocalControl(client, spec, raw_results=PICKLED.get()))._start()
+    return Job(client, spec, LocalControl(client, spec, raw_results=pickled))._start()
 
 
 def warm_up(client: Client, workers: Any = None, timeout: float = 120) -> dict[str, bool]:
@@ -240,18 +208,31 @@ def warm_up(client: Client, workers: Any = None, timeout: float = 120) -> dict[s
     """
     check_client(client)
     timeout = _number("timeout", timeout)
-    plan = _plan(client, workers)
+    plan = plan_ranks(client, workers)
     plugin.register(client)
     return client.run(plugin.warm_spare, timeout, workers=list(plan.addresses))
 
 
-def _plan(client, workers: Any, master_addr: str | None = None) -> planning.RankPlan:
-    """Choose ``workers=`` among every worker the scheduler has now and give each a rank (raises PlanError)."""
+def plan_ranks(client, workers: Any, master_addr: str | None = None) -> planning.RankPlan:
+    """Choose ``workers=`` (as :func:`run` takes it) among every worker the scheduler has now; give each a rank.
+
+    Raises
+    ------
+    PlanError
+        Bad ``workers=`` (names workers the scheduler does not have, more than there are, ...).
+    """
     return planning.make_plan(planning.workers_from_scheduler_info({"workers": scheduler_workers(client)}), workers,
                               master_addr)
 
 
-def _check_function(fn) -> None:
+def check_function(fn) -> None:
+    """Check that ``fn`` can be a rank's function: a plain callable, not a generator or async function.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not callable, or is an async or generator function (the message says how to wrap it).
+    """
     if not callable(fn):
         raise TypeError(f"run(client, fn, ...) needs a callable fn, got {type(fn).__name__}: {fn!r}")
     call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) or not hasattr(fn, "__call__") else fn.__call__
@@ -298,10 +279,19 @@ def _run_id(name, fn_name: str) -> str:
     return f"{slug}-{uuid.uuid4().hex[:8]}"
 
 
-def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name, callbacks, progress, total,
-               stall_timeout, max_restarts, checkpoint_dir, timeout, checkpoint_options=None) -> LaunchSpec:
+def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_addr=None, name=None, callbacks=(),
+              progress=True, total=None, stall_timeout=None, max_restarts=0, checkpoint_dir=None, timeout=None,
+              checkpoint_options=None, warm_cuda: bool | None = None) -> LaunchSpec:
+    """Everything :func:`run` checks, and the job's spec (``ddp.*`` read now), without starting anything; the
+    keywords and their defaults are ``run``'s, ``warm_cuda`` is :func:`start`'s.
+
+    Raises
+    ------
+    TypeError, SerializationError, PlanError, ClientClosedError
+        As :func:`run`, with the same messages.
+    """
     check_client(client)
-    _check_function(fn)
+    check_function(fn)
     fn_name = getattr(fn, "__name__", "fn").strip("<>") or "fn"
     run_id = _run_id(name, fn_name)
     callbacks = _check_callbacks(callbacks)
@@ -316,8 +306,8 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         raise PlanError(f"max_restarts={max_restarts!r}: expected an int >= 0")
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise PlanError(f"total={total!r}: expected a positive int or None")
-    call = _check_pickles(fn, args, kwargs)
-    plan = _plan(client, workers, master_addr)
+    call = pickling.dumps_call(fn, args, kwargs)
+    plan = plan_ranks(client, workers, master_addr)
     return LaunchSpec(
         call=call, fn_name=fn_name, run_id=run_id, first_plan=plan, workers=workers,
         backend=backend, master_addr=master_addr, name=name,
@@ -334,7 +324,7 @@ def _make_spec(client, fn, args, kwargs, *, workers, backend, master_addr, name,
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
         max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
         echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
-        warm_cuda=bool(cfg.get("warm-cuda", False) if WARM_CUDA.get() is None else WARM_CUDA.get()),
+        warm_cuda=bool(cfg.get("warm-cuda", False) if warm_cuda is None else warm_cuda),
         **_telemetry(cfg["telemetry"]))
 
 

@@ -32,9 +32,10 @@ import cloudpickle
 from distributed import Client, Future, Variable, wait
 from tblib import pickling_support
 
-from dask_ddp.client import dispatch as _dispatch
+from dask_ddp.client import dispatch as job_dispatch
 from dask_ddp.client.job import Job
 from dask_ddp.rank.context import get_context
+from dask_ddp.wire import pickling
 from dask_ddp.wire.errors import RankFailedError
 
 __all__ = ["run", "dispatch_with_ddp"]
@@ -109,7 +110,7 @@ def run(client: Client, pytorch_function: Callable, *args: Any, backend: str = "
     verdict = _Verdict(f"dask-ddp-verdict-{name}")
     fn, fn_args = (_with_local_rank, (pytorch_function, *args)) if pass_local_rank else (pytorch_function, args)
     with _by_value(pytorch_function) if pass_local_rank else contextlib.nullcontext():
-        spec = _dispatch._make_spec(
+        spec = job_dispatch.make_spec(
             client, fn, fn_args, kwargs, workers=None, backend=backend, master_addr=None, name=name,
             callbacks=(verdict,), progress=False, total=None, stall_timeout=None, max_restarts=0,
             checkpoint_dir=None, timeout=None, checkpoint_options=None)
@@ -246,7 +247,7 @@ def _by_value(fn: Callable):
     Needed because with ``pass_local_rank`` the user's function is an argument
     of :func:`_with_local_rank`, whose own module (dask_ddp) ships by reference.
     """
-    mod = _dispatch._local_module(fn)
+    mod = pickling.local_module(fn)
     if mod is not None:
         cloudpickle.register_pickle_by_value(mod)
     try:

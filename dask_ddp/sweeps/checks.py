@@ -69,7 +69,7 @@ def check_workers(client, workers, max_workers, ranks_per_trial) -> tuple[str, .
         raise TypeError(f"workers={workers!r}: expected a list of worker addresses or names")
     selected = tuple(workers) if workers is not None else None
     if isinstance(ranks_per_trial, int):
-        n = len(dispatch._plan(client, list(selected) if selected is not None else None).ranks)
+        n = len(dispatch.plan_ranks(client, list(selected) if selected is not None else None).ranks)
         room = n if max_workers is None else min(n, max_workers)
         if ranks_per_trial > room:
             raise PlanError(f"ranks_per_trial={ranks_per_trial}, but the sweep may use only {room} workers (the "

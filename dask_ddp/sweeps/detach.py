@@ -33,7 +33,6 @@ from typing import Any
 import cloudpickle
 import dask
 
-from dask_ddp.client import dispatch
 from dask_ddp.client.cluster import check_client
 from dask_ddp.client.registry import DriverRegistry
 from dask_ddp.sweeps import names as sweep_names
@@ -54,14 +53,11 @@ class SweepNotFound(DaskDDPError, LookupError):
 # ---- in the scheduler's process --------------------------------------------------------------------------
 class SchedulerDriver(Driver):
     """The driver of a detached sweep, in the scheduler's process: its trials' jobs keep their ranks' return values
-    and exceptions pickled (``dispatch.PICKLED``; values at most ``ddp.detached.max-result-bytes``, as a detached
-    job's), since unpickling one runs whatever its ``__reduce__`` names; a failed trial's exception reaches the
-    client that follows the sweep (``TrialRecord.failure``), which unpickles it."""
+    and exceptions pickled (``dispatch.start(pickled=True)``; values at most ``ddp.detached.max-result-bytes``, as a
+    detached job's), since unpickling one runs whatever its ``__reduce__`` names; a failed trial's exception reaches
+    the client that follows the sweep (``TrialRecord.failure``), which unpickles it."""
 
-    def run(self) -> None:
-        """Drive the sweep in this thread (a resumed sweep runs it in a new thread: the flag is set there too)."""
-        dispatch.PICKLED.set(True)
-        super().run()
+    pickled_results = True
 
 
 class _Held:
@@ -106,7 +102,7 @@ def _drive(address: str, held: _Held, searched: dict, study_kw: dict, security=N
             driver.run()  # in this thread: it returns once every trial has ended
     except Exception as exc:  # noqa: BLE001 - a driver that cannot start is a FAILED sweep
         held.error = f"the detached sweep's driver in the scheduler's process failed: {exc!r}"
-    sweep_names._release(held.spec.name, sweep_names.DETACHED)
+    sweep_names.scheduler_release(held.spec.name, sweep_names.DETACHED)
     _SWEEPS.end(held.spec.name)
 
 

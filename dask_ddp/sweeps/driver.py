@@ -14,7 +14,8 @@ threads (:class:`TrialHooks`). One iteration (:meth:`Driver.step`):
 2. fill the free workers: ask Optuna for trials (a short line of them, kept by the sweep's
    :class:`~.queue.TrialQueue`: ``LINE``, up to ``LINE_MAX`` while none of them fits the
    free workers), pick which fits (:func:`~.placement.pick`), seat it
-   (:func:`~.placement.place`) and start its job pinned to those workers (``dispatch.run``);
+   (:func:`~.placement.place`) and start its job pinned to those workers (``dispatch.start``, with
+   ``ddp.sweep.warm-cuda``);
 3. end the sweep once every trial has ended, or stop it (``cancel()``, the failure limit, the client closed):
    queued trials are dropped, running ones cancelled, and the sweep ends when they have stopped."""
 
@@ -57,6 +58,8 @@ CLIENT_CLOSED = "the Dask client closed: its trials' ranks stop with it"
 class Driver:
     """Runs one sweep (see the module docstring); ``cond`` guards ``trials`` and ``state`` for the handle."""
 
+    pickled_results = False  # the trials' jobs keep their ranks' values and errors pickled (a detached sweep's)
+
     def __init__(self, client, spec: SweepSpec, study, searched: dict):
         self.client, self.spec, self.study, self.searched = client, spec, study, searched
         self.cond = threading.Condition()
@@ -94,7 +97,6 @@ class Driver:
     # ---- driving -------------------------------------------------------------------------------------------
     def run(self) -> None:
         """Step until the sweep has ended; a bug here still stops every trial and ends the sweep."""
-        dispatch.WARM_CUDA.set(self.spec.warm_cuda)  # ddp.sweep.warm-cuda for this thread's jobs, the trials
         try:
             if self.view.mlflow is not None and self.view.mlflow.parent is None:  # not again when resumed
                 self.view.begin()
@@ -300,10 +302,11 @@ class Driver:
         self._busy.update(addresses)
         extra: dict[str, Any] = {"resume_from": rec.resume_from} if spec.resume_arg else {}
         try:
-            job = dispatch.run(self.client, spec.fn, *spec.args, workers=list(addresses),
-                               name=f"{spec.name}-trial{number}", callbacks=[*self.view.callbacks(number, rec.params),
-                                                                    TrialHooks(self.inbox, number)],
-                               progress=False, **spec.run_options, **spec.kwargs, **rec.params, **extra)
+            job = dispatch.start(self.client, spec.fn, spec.args, dict(**spec.kwargs, **rec.params, **extra),
+                                 workers=list(addresses), name=f"{spec.name}-trial{number}",
+                                 callbacks=[*self.view.callbacks(number, rec.params), TrialHooks(self.inbox, number)],
+                                 progress=False, pickled=self.pickled_results, warm_cuda=spec.warm_cuda,
+                                 **spec.run_options)
         except Exception:  # noqa: BLE001 - a worker left meanwhile, a parameter does not pickle, ...
             self._busy.difference_update(addresses)
             return self._fail(rec, f"trial {number} could not start on {', '.join(addresses)}:\n"

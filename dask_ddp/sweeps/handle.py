@@ -34,6 +34,7 @@ from dask_ddp.sweeps import names as sweep_names
 from dask_ddp.sweeps import pickup as sweep_continue
 from dask_ddp.sweeps.driver import Driver, SweepSpec
 from dask_ddp.sweeps.trial import COLUMNS, TRIAL_ENDED, TRIAL_STATES
+from dask_ddp.wire import pickling
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -153,10 +154,10 @@ def sweep(client: Client, train_fn: Callable, space: dict, *, n_trials: int, met
     """
     optuna = search.optuna_module()
     check_client(client)
-    dispatch._check_function(train_fn)
+    dispatch.check_function(train_fn)
     searched, fixed = search.distributions(space)
     kwargs = dict(kwargs or {})
-    dispatch._check_pickles(train_fn, tuple(args), kwargs)  # the parameters are checked with each trial
+    pickling.dumps_call(train_fn, tuple(args), kwargs)  # the parameters are checked with each trial
     run_options = dict(run_options or {})
     checks.check_names(searched, fixed, kwargs, run_options)
     if mode not in MODES:

@@ -1,9 +1,9 @@
 """One running sweep per name on a cluster: the DDP page, Prometheus (label ``sweep``) and
 :func:`dask_ddp.attach_sweep` know a sweep by its name, so a second sweep of a name that runs already is refused.
 
-Runs in: the scheduler's process (:func:`take`, :func:`_claim`, :func:`_release`, called through
-``client.run_on_scheduler`` or by :mod:`.detach`) and the client (:func:`claim`,
-:func:`release`).
+Runs in: the scheduler's process (:func:`take`, :func:`scheduler_claim`, :func:`scheduler_release`, which
+:func:`claim` and :func:`release` call there through ``on_scheduler``, and :mod:`.detach` calls for a detached
+sweep) and the client (:func:`claim`, :func:`release`).
 
 A running sweep's name is claimed on the scheduler by its owner: the client whose notebook drives it, or
 :data:`DETACHED` for a detached sweep (whose driver runs in the scheduler's process). The claim ends with the
@@ -19,7 +19,7 @@ import threading
 
 from dask_ddp.worker.scheduler_call import on_scheduler
 
-__all__ = ["claim", "release", "refusal", "take", "DETACHED"]
+__all__ = ["claim", "release", "refusal", "take", "scheduler_claim", "scheduler_release", "DETACHED"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -43,12 +43,16 @@ def take(name: str, owner: str, dask_scheduler) -> str | None:
     return None
 
 
-def _claim(name: str, owner: str, dask_scheduler=None) -> str | None:
+def scheduler_claim(name: str, owner: str, dask_scheduler=None) -> str | None:
+    """In the scheduler's process: :func:`take` under :data:`LOCK`; the reason ``name`` cannot be ``owner``'s, or
+    None once claimed. Raises nothing."""
     with LOCK:
         return take(name, owner, dask_scheduler)
 
 
-def _release(name: str, owner: str, dask_scheduler=None) -> None:
+def scheduler_release(name: str, owner: str, dask_scheduler=None) -> None:
+    """In the scheduler's process: end ``owner``'s claim of ``name`` (nothing if another owner holds it, or none).
+    Raises nothing."""
     with LOCK:
         if _CLAIMS.get(name) == owner:
             del _CLAIMS[name]
@@ -70,7 +74,7 @@ def claim(client, name: str) -> None:
         A sweep of that name runs on the cluster already (from a notebook, or detached).
     """
     try:
-        refused = on_scheduler(client, _claim, name, client.id)
+        refused = on_scheduler(client, scheduler_claim, name, client.id)
     except Exception:  # noqa: BLE001 - dask-ddp not on the scheduler, or no answer in time: nothing to check with
         logger.debug("dask-ddp could not check the sweep name %r on the scheduler", name, exc_info=True)
         return
@@ -81,6 +85,6 @@ def claim(client, name: str) -> None:
 def release(client, name: str) -> None:
     """End this client's claim of ``name`` (best effort: a claim of a client that is gone is void anyway)."""
     try:
-        on_scheduler(client, _release, name, client.id)
+        on_scheduler(client, scheduler_release, name, client.id)
     except Exception:  # noqa: BLE001 - the client or the scheduler is gone
         pass
