@@ -92,12 +92,29 @@ def test_the_rule_finds_a_violation_and_lets_the_allowed_pass():
     assert "type only" in bad[-1]
 
 
+def said_may_import(doc: str) -> set[str] | None:
+    """The wings a wing's docstring names in its "May import:" sentence (``config`` left out); None without one."""
+    if "May import:" not in doc:
+        return None
+    sentence = re.split(r"\.(?:\s|$)", doc.split("May import:", 1)[1], maxsplit=1)[0]
+    return set(re.findall(r"dask_ddp\.(\w+)", sentence)) - {"config"}
+
+
+def test_the_docstring_rule_reads_the_may_import_sentence():
+    assert said_may_import("Runs in: x.\n\nMay import: :mod:`dask_ddp.wire` (and\n:mod:`dask_ddp.config`). Never "
+                           ":mod:`dask_ddp.rank`.") == {"wire"}
+    assert said_may_import("May import: :mod:`dask_ddp.client`.") != MAY_IMPORT["observe"] - {"config"}
+    assert said_may_import("Runs in: the client.") is None
+
+
 @pytest.mark.parametrize("wing", [w for w in WINGS])
 def test_each_wing_says_where_it_runs_and_what_it_may_import(wing):
     doc = ast.get_docstring(ast.parse((PACKAGE / wing / "__init__.py").read_text())) or ""
     assert "Runs in:" in doc, f"dask_ddp/{wing}/__init__.py: say where the wing's code runs"
-    if wing != "dashboard":
-        assert "May import:" in doc, f"dask_ddp/{wing}/__init__.py: say what the wing may import"
+    said = said_may_import(doc)
+    assert said is not None, f"dask_ddp/{wing}/__init__.py: say what the wing may import"
+    assert said == MAY_IMPORT[wing] - {"config"}, (f"dask_ddp/{wing}/__init__.py says it may import {said}, "
+                                                   f"the table {MAY_IMPORT[wing] - {'config'}}")
 
 
 def test_every_module_says_where_it_runs():

@@ -3,6 +3,8 @@
 Runs in: the scheduler's process (:mod:`.plugin`, :mod:`.state`, :mod:`.page`, :mod:`.prometheus`) and the
 client (:mod:`.jobs`: what a job tells the scheduler; :func:`install`).
 
+May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`). Never Bokeh at import time (below).
+
 ``dispatch.run`` installs :class:`~dask_ddp.dashboard.plugin.DDPDashboard` on the scheduler before a job
 starts. The plugin reads the ranks' event batches (telemetry items, one a second per rank) and the
 ``dask-ddp-jobs`` topic (state transitions, stragglers) as the scheduler relays them, keeps the latest
