@@ -41,10 +41,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("dask_ddp.dashboard.page", "*._loop"):
         "bokeh's ApplicationContext._loop, bokeh's own private (the name is also a method of worker.relay's "
         "Relay): bokeh has no public way to give a context the server's loop",
-    ("dask_ddp.worker.leaving", "*._leaving"):
-        "leaving.py's own flag (a second SIGTERM while draining is ignored), kept on the worker's rank-host "
-        "plugin (worker.plugin) it is handed, which never reads it; found because client.cluster has an "
-        "unrelated _leaving list. A candidate for the next step: the flag as the plugin's own public field",
     ("dask_ddp.observe.display", "*._record"):
         "the HTML view of a Job reads its record (state, telemetry, stragglers); a public Job.record would put "
         "an internal class in Job's public API",

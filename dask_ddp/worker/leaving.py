@@ -98,10 +98,13 @@ def leave_on_sigterm(host) -> bool:
     return True
 
 
+_DRAINING: weakref.WeakSet = weakref.WeakSet()  # the rank hosts of this process draining after a SIGTERM
+
+
 def _on_sigterm(host) -> None:
-    if getattr(host, "_leaving", False):
+    if host in _DRAINING:
         return  # a second SIGTERM while draining: the first one's deadline stands
-    host._leaving = True
+    _DRAINING.add(host)
     asyncio.ensure_future(_leave(host))
 
 
