@@ -86,7 +86,6 @@ class _Rank:
 
 
 _RANK: _Rank | None = None
-_PENDING: Notice | None = None  # the notice, once one reached this rank: report()'s one check
 _SAVE: tuple[Callable[[], dict], dict] | None = None
 _EARLY: Notice | None = None  # a notice that came before start()
 _POLLED = False  # the code called preempted(): it saves by itself
@@ -278,12 +277,6 @@ def announce(note: Notice, thread: bool = False) -> None:
     _heard(note)
 
 
-def notice_pending() -> bool:
-    """True once a preemption's or a growth's notice reached this rank: ``report()`` then calls
-    :func:`at_report` with each step, to agree on the step to stop at. Raises nothing."""
-    return _PENDING is not None
-
-
 def _clamped(note: Notice, grace: float) -> Notice:
     """``note`` with its deadline no later than ``grace`` seconds from now: whoever wrote it, a notice never
     holds a job longer than the grace period (a far deadline would keep cancel() and a dead client waiting)."""
@@ -292,14 +285,12 @@ def _clamped(note: Notice, grace: float) -> Notice:
 
 
 def _heard(note: Notice) -> None:
-    global _PENDING
     st = _RANK
     note = _clamped(note, st.grace)
     with st.lock:
         if st.notice is not None:
             return
         st.notice, st.heard = note, time.time()
-        _PENDING = note
     try:
         from dask_ddp.wire.messages import NoticeSeen
 
@@ -309,7 +300,8 @@ def _heard(note: Notice) -> None:
 
 
 def at_report(step: int) -> None:
-    """``report()``'s slow path, once a notice is known: agree on the step, save and stop there."""
+    """Called by ``report()`` with each step; once a notice reached this rank: agree on the step, save and stop
+    there (before that, and outside a rank, it returns at once). Raises :class:`Preempted` at the agreed step."""
     st = _RANK
     if st is None or st.notice is None:
         return
@@ -399,5 +391,5 @@ def _wait_count(store, key: str, n: int, until: float) -> None:
 
 def _reset_for_tests() -> Any:
     """Forget this process's notice state (for unit tests of the protocol)."""
-    global _RANK, _PENDING, _SAVE
-    _RANK, _PENDING, _SAVE = None, None, None
+    global _RANK, _SAVE
+    _RANK, _SAVE = None, None

@@ -265,8 +265,7 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
     else:
         buf.put({"kind": "metric", "rank": buf.rank, "attempt": buf.attempt, "step": step, "time": time.time(),
                  **values}, size)
-    if _preemption.notice_pending():  # a worker of the job leaves: agree on a step, save, stop there
-        _preemption.at_report(step)
+    _preemption.at_report(step)  # once a worker of the job leaves: agree on a step, save, stop there
 
 
 _STAMP = item_size({"kind": "metric", "rank": 0, "attempt": 0, "step": 0, "time": 0.0})
