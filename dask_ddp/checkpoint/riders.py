@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["register", "with_riders", "take", "reserved_keys", "held"]
+__all__ = ["register", "with_riders", "take", "reserved_keys"]
 
 _RESERVED = re.compile(r"^__dask_ddp_\w+__$")
 
@@ -78,7 +78,3 @@ def reserved_keys(keys: Any) -> list[str]:
     """The reserved (rider) keys among ``keys`` (any iterable of top-level keys). Raises nothing."""
     return [k for k in keys if isinstance(k, str) and _RESERVED.match(k)]
 
-
-def held() -> dict[str, Any]:
-    """The values loaded and not yet claimed by a rider (a copy). Raises nothing."""
-    return dict(_HELD)
