@@ -25,7 +25,10 @@ def test_a_saves_figures_reach_the_notebook_the_page_and_prometheus(tmp_path):
     assert telemetry.checkpoint_fields() == {}  # no save yet: the telemetry item keeps its usual fields
     dask_ddp.save_sharded({"model": torch.nn.Linear(256, 256)}, 12, directory=str(tmp_path))
     fields = telemetry.checkpoint_fields()
-    assert fields["ckpt_step"] == 12 and fields["ckpt_bytes"] == (256 * 256 + 256) * 4
+    # the bytes this rank wrote: its shard files, which hold the tensors and whatever else rides in the save (a
+    # streaming loader another test of this process left alive adds its position, so no exact tensor size here)
+    written = sum(p.stat().st_size for p in tmp_path.rglob("*-rank-00000-*.distcp"))
+    assert fields["ckpt_step"] == 12 and fields["ckpt_bytes"] == written >= (256 * 256 + 256) * 4, (fields, written)
     assert fields["ckpt_stall_s"] > 0 and fields["ckpt_upload_s"] > 0 and fields["ckpt_mb_s"] > 0
     assert fields["ckpt_waited_s"] >= 0
 
