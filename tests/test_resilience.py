@@ -98,37 +98,40 @@ def test_sigkill_of_a_dask_worker(client):
 
 
 @pytest.mark.slow
-def test_frozen_machine_is_found_by_its_missing_heartbeats():
+def test_frozen_machine_is_found_by_its_missing_heartbeats(client):
     """A machine that vanishes says nothing (no remove-worker for worker-ttl, 5 min): freezing a worker process and
-    its rank with SIGSTOP is the same as seen from the scheduler. The job must fail within 10 s, naming the rank."""
+    its rank with SIGSTOP is the same as seen from the scheduler. The job must fail within 10 s, naming the rank.
+    On the module's cluster: the frozen worker is killed at the end, its Nanny starts a new one, and the test
+    checks the cluster whole again (2 workers that run a job, no process left) as the module's next tests need."""
     from _cluster import rank_process_pids
 
-    with local_client(2) as c:
-        job = run(c, _report_then_spin)
-        wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
-                   what="a report from each rank")
-        victim = job.plan.addresses[1]
-        worker_pid = c.run(os.getpid, workers=[victim])[victim]
-        [rank_pid] = rank_process_pids(c)[victim]["running"]
-        frozen = [worker_pid, rank_pid]
-        t0 = time.time()
+    c = client
+    c.wait_for_workers(2, timeout=60)
+    job = run(c, _report_then_spin)
+    wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
+               what="a report from each rank")
+    victim = job.plan.addresses[1]
+    worker_pid = c.run(os.getpid, workers=[victim])[victim]
+    [rank_pid] = rank_process_pids(c)[victim]["running"]
+    frozen = [worker_pid, rank_pid]
+    t0 = time.time()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
+            job.result(timeout=60)
+        took = time.time() - t0
+    finally:
         for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
-                job.result(timeout=60)
-            took = time.time() - t0
-        finally:
-            for pid in frozen:
-                os.kill(pid, signal.SIGKILL)
-        print(f"frozen worker: job failed {took:.2f} s later")
-        assert took < 10, f"a frozen worker was found after {took:.1f} s"
-        assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
-        # the scheduler drops the killed worker, the Nanny starts a new one
-        wait_until(lambda: victim not in (w := scheduler_workers(c)) and len(w) >= 2, 60,
-                   interval=0.2, what="the frozen worker's replacement")
-        assert run(c, lambda: 1).result(timeout=120) == [1, 1]
-        assert leftover_processes(c) == []
+            os.kill(pid, signal.SIGKILL)
+    print(f"frozen worker: job failed {took:.2f} s later")
+    assert took < 10, f"a frozen worker was found after {took:.1f} s"
+    assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
+    # the scheduler drops the killed worker, the Nanny starts a new one
+    wait_until(lambda: victim not in (w := scheduler_workers(c)) and len(w) >= 2, 60,
+               interval=0.2, what="the frozen worker's replacement")
+    assert run(c, lambda: 1).result(timeout=120) == [1, 1]
+    assert leftover_processes(c) == []
 
 
 @pytest.mark.slow
@@ -225,7 +228,7 @@ def test_a_closing_worker_loses_none_of_the_reports_its_rank_held(tmp_path, paus
     flushes) before the kill. Lost under load in 2 of 10 runs at 10 ms reports (7 of 240 kept); every time at
     500 ms. Now the supervisor asks the rank for what it holds before the kill."""
     path = tmp_path / "last"
-    with local_client(2) as c:
+    with local_client(1) as c:  # the job's one rank runs on the worker closed: no other worker takes part
         victim = sorted(scheduler_workers(c))[0]
         with dask.config.set({"ddp.events.flush-interval": 5.0}):
             job = run(c, report_and_note, str(path), pause, workers=[victim])
