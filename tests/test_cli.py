@@ -76,11 +76,40 @@ def write(tmp_path: Path, name: str, body: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A LocalCluster of 3 workers on 127.0.0.1, as if started by someone else; the CLI gets its address."""
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0") as c, Client(c) as client:
-        yield c.scheduler_address, client
+def elsewhere(tmp_path_factory):
+    """A scheduler and 3 `dask worker` processes started as a site starts them, each in its own working directory
+    (not this checkout, not the script's folder); yields the address, a client and the workers' folder.
+
+    One cluster for every test of this file that runs against a scheduler (``cluster`` below): each leaves it as
+    it found it (its job ended, no rank process left: ``leftover_processes``), and starting it costs 3 worker
+    processes and their nannies, once."""
+    cwd = tmp_path_factory.mktemp("worker-cwd")
+    token = uuid.uuid4().hex
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address="127.0.0.1:0") as c, Client(c) as client:
+        procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", c.scheduler_address,
+                                   "--name", f"w{i}", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+                                  cwd=cwd, env=cli_env(token), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True) for i in range(3)]
+        try:
+            client.wait_for_workers(3, timeout=120)
+            yield c.scheduler_address, client, cwd
+        finally:
+            for proc in procs:
+                proc.terminate()  # SIGTERM: the worker leaves gracefully, as a pod stopped
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    assert wait_none_marked(token) == [], "processes left behind by the dask worker processes"
+
+
+@pytest.fixture
+def cluster(elsewhere):
+    """A cluster of 3 workers on 127.0.0.1, as if started by someone else; the CLI gets its address."""
+    address, client, _ = elsewhere
+    yield address, client
 
 
 # ---- help and usage ----------------------------------------------------------------------------------------
@@ -330,32 +359,6 @@ def project(tmp_path: Path) -> Path:
     write(root / "fastext", "__init__.py", "")
     (root / "fastext" / "_impl.so").write_bytes(b"\x7fELF")  # a compiled extension: must come from the workers
     return root
-
-
-@pytest.fixture(scope="module")
-def elsewhere(tmp_path_factory):
-    """A scheduler and 2 `dask worker` processes started as a site starts them, each in its own working directory
-    (not this checkout, not the script's folder); yields the address, a client and the workers' folder."""
-    cwd = tmp_path_factory.mktemp("worker-cwd")
-    token = uuid.uuid4().hex
-    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address="127.0.0.1:0") as c, Client(c) as client:
-        procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", c.scheduler_address,
-                                   "--name", f"w{i}", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
-                                  cwd=cwd, env=cli_env(token), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True) for i in range(2)]
-        try:
-            client.wait_for_workers(2, timeout=120)
-            yield c.scheduler_address, client, cwd
-        finally:
-            for proc in procs:
-                proc.terminate()  # SIGTERM: the worker leaves gracefully, as a pod stopped
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    assert wait_none_marked(token) == [], "processes left behind by the dask worker processes"
 
 
 @pytest.mark.slow
