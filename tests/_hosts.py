@@ -92,12 +92,14 @@ class SimulatedHosts:
 
     ``host_names=True`` gives host i the name ``h<i+1>``, which its ``/etc/hosts`` maps to its address;
     otherwise every host has the machine's name, which /etc/hosts maps to loopback. ``worker_env`` is
-    added to the workers' environment.
+    added to the workers' environment, ``env`` to the scheduler's and the workers' (e.g. a Dask setting
+    as ``DASK_DISTRIBUTED__...``, for the whole simulated cluster).
     """
 
     workers_per_host: Sequence[int]
     host_names: bool = False
     worker_env: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
 
     def __post_init__(self):
@@ -139,7 +141,7 @@ class SimulatedHosts:
         self._write_state()
         self._network()
         self.spawn(self.scheduler_ns, ["-m", "distributed.cli.dask_scheduler", "--host", self.scheduler_address,
-                                       "--port", str(SCHEDULER_PORT), "--no-dashboard"], "scheduler")
+                                       "--port", str(SCHEDULER_PORT), "--no-dashboard"], "scheduler", env=self.env)
         self._wait_for_scheduler(60)
         for host in self.hosts:
             self.start_workers(host)
@@ -223,7 +225,8 @@ class SimulatedHosts:
             self.host_procs[host.index] = [p for p in self.host_procs[host.index] if p.poll() is None]
             self.host_procs[host.index].append(self.spawn(host.ns, ["-m", "distributed.cli.dask_worker", self.scheduler_url, "--nworkers", "1",
                                  "--nthreads", "1", "--host", host.address, "--name", name, "--no-dashboard",
-                                 "--local-directory", str(self.logs / name)], name, host.hostname, self.worker_env))
+                                 "--local-directory", str(self.logs / name)], name, host.hostname,
+                                 {**self.env, **self.worker_env}))
 
     def _wait_for_scheduler(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -335,7 +338,8 @@ def _free_octet() -> int:
 
 def sweep_stale() -> list[str]:
     """Remove what a killed earlier run left: namespaces ``ddp-<tag>-*`` and links whose owner process is gone."""
-    tags = set(_TAG.findall(ip("netns", "list") + ip("-o", "link")))
+    live = {hosts.tag for hosts in _LIVE}  # this process's own, in use (a module's hosts while a test starts more)
+    tags = set(_TAG.findall(ip("netns", "list") + ip("-o", "link"))) - live
     removed = []
     for tag in tags:
         owner, made_etc = STATE / f"{tag}.pid", False

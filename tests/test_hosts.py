@@ -41,10 +41,20 @@ def can_make_hosts():
         pytest.skip(reason)
 
 
+# distributed's TCP timeout for the three hosts' scheduler and workers: 20 s instead of 30 s. Only a cut longer than
+# it is told apart by it (test_host_cut_off_past_the_tcp_timeout_...), which then waits 20 s instead of 30 s for the
+# same thing; a connection whose peer answers is never timed out by it (keepalive and TCP_USER_TIMEOUT act on bytes
+# left unacknowledged, which the kernel acknowledges, under load too). A shorter cut must stay well under it: bytes
+# sent during a cut wait for TCP's next retransmission after it (exponential backoff: up to about the cut's length
+# again), so test_host_cut_off_mid_job_... (a cut of about 8 s: ddp.worker-timeout's 6 s and the restart) restores
+# the link as soon as the job runs again. With 12 s, its workers came back and then lost their connections.
+TCP_TIMEOUT = 20
+
+
 @pytest.fixture(scope="module")
 def three_hosts(can_make_hosts):
     """3 hosts x 2 workers, every host named as the machine (a name /etc/hosts maps to loopback)."""
-    with simulated_hosts([2, 2, 2]) as hosts:
+    with simulated_hosts([2, 2, 2], env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": f"{TCP_TIMEOUT}s"}) as hosts:
         yield hosts
 
 
@@ -121,15 +131,18 @@ def raise_on(bad):
 # ---- tests ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("workers_per_host", [(2, 1)])
-def test_uneven_hosts(can_make_hosts, workers_per_host):
-    with simulated_hosts(workers_per_host) as hosts:
-        job = run(hosts.client, train_and_tell, 2)
-        out = job.result(timeout=300)
-        assert [o["local_world_size"] for o in out] == [2, 2, 1]
-        assert [o["env"]["LOCAL_WORLD_SIZE"] for o in out] == ["2", "2", "1"]  # torchrun's: ranks on this node
-        assert [o["node_rank"] for o in out] == [0, 0, 1] and [o["local_rank"] for o in out] == [0, 1, 0]
-        assert all(o["env"]["GROUP_WORLD_SIZE"] == "2" for o in out)
-        assert job.state == "FINISHED"
+def test_uneven_hosts(three_hosts, workers_per_host):
+    """A job on 2 workers of h1 and 1 of h2. The plan counts the job's own workers per host (the cluster's other
+    workers, here h2-w1 and h3's, are no part of it), so the three hosts' cluster serves as a (2, 1) one and no
+    cluster of its own is started."""
+    workers = [w for host, n in zip(three_hosts.hosts, workers_per_host) for w in host.workers[:n]]
+    job = run(three_hosts.client, train_and_tell, 2, workers=workers)
+    out = job.result(timeout=300)
+    assert [o["local_world_size"] for o in out] == [2, 2, 1]
+    assert [o["env"]["LOCAL_WORLD_SIZE"] for o in out] == ["2", "2", "1"]  # torchrun's: ranks on this node
+    assert [o["node_rank"] for o in out] == [0, 0, 1] and [o["local_rank"] for o in out] == [0, 1, 0]
+    assert all(o["env"]["GROUP_WORLD_SIZE"] == "2" for o in out)
+    assert job.state == "FINISHED"
 
 
 def test_own_host_names(can_make_hosts):
@@ -223,7 +236,8 @@ def test_dispatch_latency_across_hosts(three_hosts):
 
 
 def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
-    """Host h3's link goes down mid-job: the job restarts from its checkpoint on h1 and h2; h3 comes back."""
+    """Host h3's link goes down mid-job: the job restarts from its checkpoint on h1 and h2; h3 comes back (once
+    the job runs again on h1 and h2: the cut stays well under the hosts' TCP timeout, see TCP_TIMEOUT)."""
     hosts, client = three_hosts, three_hosts.client
     victim = hosts.hosts[2]
     job = elastic_job_past_its_first_checkpoint(client, tmp_path, 6)
@@ -233,9 +247,12 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
         wait_until(lambda: any(h[2] == "RESTARTING" for h in job.history), 120, what="the job noticing the cut")
         when, _, _, cause = next(h for h in job.history if h[2] == "RESTARTING")
         print(f"host cut off: the job was RESTARTING {when - t_cut:.2f} s later ({cause})")
-        out = job.result(timeout=300)
+        wait_until(lambda: [h[2] for h in job.history][1:3] == ["RESTARTING", "RUNNING"] or job.done(), 120,
+                   what="the job running again on the hosts left")
     finally:
         hosts.restore(victim)
+    print(f"host cut off for {time.time() - t_cut:.1f} s")
+    out = job.result(timeout=300)
     print(f"host cut off: first step after the restart {first_step_after_restart(job) - t_cut:.2f} s after the cut")
     assert [h[2] for h in job.history] == ["RUNNING", "RESTARTING", "RUNNING", "FINISHED"], job.history
     assert all(hosts.host_of(a) is not victim for a in job.plan.addresses)
@@ -268,9 +285,9 @@ def _fresh(client, host, hosts) -> int:
 
 
 def test_host_cut_off_past_the_tcp_timeout_leaves_and_rejoins_when_restarted(three_hosts):
-    """Cut longer than distributed's TCP timeout (30 s): the host's workers close themselves and their
-    ``dask worker`` processes exit; started again after the link is back (as systemd or Kubernetes would), they
-    rejoin and a 6-rank job runs."""
+    """Cut longer than distributed's TCP timeout (30 s by default; TCP_TIMEOUT, 20 s, for these hosts): the host's
+    workers close themselves and their ``dask worker`` processes exit; started again after the link is back (as
+    systemd or Kubernetes would), they rejoin and a 6-rank job runs."""
     hosts, client = three_hosts, three_hosts.client
     victim = hosts.hosts[1]
     procs = hosts.host_procs[victim.index]
@@ -286,6 +303,7 @@ def test_host_cut_off_past_the_tcp_timeout_leaves_and_rejoins_when_restarted(thr
         hosts.restore(victim)
     print(f"host cut off with no job: its worker processes exited {exited:.1f} s later, the scheduler dropped "
           f"them {dropped:.1f} s later")
+    assert exited >= TCP_TIMEOUT - 1, f"the workers left {exited:.1f} s after the cut: before the TCP timeout"
     t_back = time.time()
     hosts.start_workers(victim)
     wait_until(lambda: all(_fresh(client, h, hosts) == 2 for h in hosts.hosts) and
