@@ -136,7 +136,7 @@ def test_slurm_workers_take_scancel_and_the_time_limit_signal_as_preemption_noti
         script = cluster.job_script()
         assert "#SBATCH --signal=B:TERM@60" in script and f"exec {sys.executable} -m" in script, script
         assert "--tls-key ~/.dask-jobqueue.worker.key." in script, script  # the workers' TLS files, in ~
-        refused = probe(cluster.scheduler_address, "", [])
+        refused, _ = probe(cluster.scheduler_address, "", [])
         assert cluster.scheduler_address.startswith("tls://") and all(
             v.startswith("refused") for v in refused.values()), (cluster.scheduler_address, refused)
         t0 = time.time()
@@ -252,6 +252,7 @@ print(f"done: world size {dist.get_world_size()}", flush=True)
 
 PROBE = r"""
 import asyncio, json, os, sys
+from concurrent.futures import ThreadPoolExecutor
 from distributed import Client, Security
 from distributed.core import rpc
 
@@ -265,29 +266,67 @@ def attempt(fn):
     except Exception as exc:
         return f"refused: {type(exc).__name__}"
 
-scheduler, key, *others = sys.argv[1:]
-host_port, foreign, plain = scheduler.split("://", 1)[1], Security.temporary(), Security(require_encryption=False)
-out = {"plain client": attempt(lambda: Client("tcp://" + host_port, timeout=5).run_on_scheduler(os.getuid)),
-       "TLS client with another key": attempt(
-           lambda: Client("tls://" + host_port, security=foreign, timeout=5).run_on_scheduler(os.getuid))}
-if key:
-    out["the job's key"] = attempt(lambda: len(open(key).read()))
-for addr in others:
-    out[f"plain {addr}"] = attempt(lambda: asyncio.run(identity("tcp://" + addr, plain)))
-    out[f"TLS with another key {addr}"] = attempt(lambda: asyncio.run(identity("tls://" + addr, foreign)))
+def attempts(scheduler, key, others):
+    # every attempt at once, each in a thread of its own, with the same timeouts as one after another
+    host_port, foreign, plain = scheduler.split("://", 1)[1], Security.temporary(), Security(require_encryption=False)
+    tries = {"plain client": lambda: Client("tcp://" + host_port, timeout=5).run_on_scheduler(os.getuid),
+             "TLS client with another key": lambda: Client("tls://" + host_port, security=foreign,
+                                                           timeout=5).run_on_scheduler(os.getuid)}
+    if key:
+        tries["the job's key"] = lambda: len(open(key).read())
+    for addr in others:
+        tries[f"plain {addr}"] = lambda a=addr: asyncio.run(identity("tcp://" + a, plain))
+        tries[f"TLS with another key {addr}"] = lambda a=addr: asyncio.run(identity("tls://" + a, foreign))
+    with ThreadPoolExecutor(len(tries)) as pool:
+        done = {name: pool.submit(attempt, fn) for name, fn in tries.items()}
+    return {name: f.result() for name, f in done.items()}
+
+scheduler, key, uid, n_other, *others = sys.argv[1:]
+child = read = None
+if int(uid) >= 0:  # the same attempts as another uid, at the same time: a child that drops to it (as setpriv does)
+    read, write = os.pipe()
+    child = os.fork()  # before any thread of this process starts
+    if child == 0:
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setresgid(int(uid), int(uid), int(uid))
+            os.setresuid(int(uid), int(uid), int(uid))
+            got = {"uid": os.getuid(), "attempts": attempts(scheduler, key, others[:int(n_other)])}
+        except BaseException as exc:
+            got = {"error": repr(exc)}
+        with os.fdopen(write, "w") as f:
+            json.dump(got, f)
+        os._exit(0)
+    os.close(write)
+out = {"mine": attempts(scheduler, key, others)}
+if child is not None:
+    with os.fdopen(read) as f:
+        out["other uid"] = json.loads(f.read() or '{"error": "no answer"}')
+    os.waitpid(child, 0)
 print(json.dumps(out))
 """
 
 
-def probe(scheduler: str, key: str, others: list[str], as_user: int | None = None) -> dict:
-    """What a stranger gets from the cluster (run in a process of its own, as uid ``as_user`` if given): running
-    code on the scheduler over plain TCP and over TLS with a key of their own, the job's key file, and the
-    ``identity`` of each Dask server in ``others`` (``host:port``) both ways."""
-    who = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups"] if as_user is not None else []
-    out = subprocess.run([*who, sys.executable, "-c", PROBE, scheduler, key, *others], capture_output=True,
-                         text=True, timeout=300, cwd="/")
+def probe(scheduler: str, key: str, others: list[str], as_user: int | None = None,
+          as_user_others: int = 2) -> tuple[dict, dict | None]:
+    """What a stranger gets from the cluster, in a process of its own: running code on the scheduler over plain
+    TCP and over TLS with a key of their own, the job's key file, and the ``identity`` of each Dask server in
+    ``others`` (``host:port``) both ways. With ``as_user``, the same (the first ``as_user_others`` of ``others``)
+    as that uid too, at the same time, from a child of that process that drops to it (no groups) before it tries.
+    Every attempt runs at once, with its own timeouts: the probe lasts as long as its slowest attempt (a
+    non-Dask HTTP server answers neither way and times out), not as long as all of them one after another.
+    Returns (this uid's answers, that uid's or None)."""
+    uid = -1 if as_user is None else as_user
+    out = subprocess.run([sys.executable, "-c", PROBE, scheduler, key, str(uid), str(as_user_others), *others],
+                         capture_output=True, text=True, timeout=300, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    other = got.get("other uid")
+    if other is not None:
+        assert other.get("uid") == as_user and "attempts" in other, (other, out.stderr[-3000:])
+        other = other["attempts"]
+    return got["mine"], other
 
 
 def listening(procs: list[psutil.Process]) -> list[tuple[str, int]]:
@@ -312,8 +351,10 @@ def check_no_stranger_gets_in(text: str, command: psutil.Process, workers: list[
     key = os.path.join(folder.group(1), "key.pem") if folder else ""
     others = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in listening(workers)]
     assert len(others) >= 2, [p.cmdline() for p in workers]  # each worker and its Nanny listen
-    got = probe(scheduler, key, others)
-    print(f"a stranger's attempts at {scheduler} and {len(others)} worker/Nanny addresses: {got}")
+    t0 = time.monotonic()
+    got, other = probe(scheduler, key, others, as_user=65534 if os.geteuid() == 0 else None)
+    print(f"a stranger's attempts at {scheduler} and {len(others)} worker/Nanny addresses "
+          f"({time.monotonic() - t0:.1f} s, uid 65534's with them): {got}")
     refused = {k: v for k, v in got.items() if k != "the job's key"}
     assert all(str(v).startswith("refused") for v in refused.values()), got
     assert scheduler.startswith("tls://"), scheduler
@@ -325,9 +366,8 @@ def check_no_stranger_gets_in(text: str, command: psutil.Process, workers: list[
         st = os.stat(os.path.join(folder.group(1), name))
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid(), (name, oct(st.st_mode), st.st_uid)
     if os.geteuid() == 0:  # another uid: nothing more
-        other = probe(scheduler, key, others[:2], as_user=65534)
         print(f"uid 65534's attempts: {other}")
-        assert all(str(v).startswith("refused") for v in other.values()), other
+        assert other and all(str(v).startswith("refused") for v in other.values()), other
     return folder.group(1)
 
 
