@@ -98,40 +98,37 @@ def test_sigkill_of_a_dask_worker(client):
 
 
 @pytest.mark.slow
-def test_frozen_machine_is_found_by_its_missing_heartbeats(client):
+def test_frozen_machine_is_found_by_its_missing_heartbeats():
     """A machine that vanishes says nothing (no remove-worker for worker-ttl, 5 min): freezing a worker process and
-    its rank with SIGSTOP is the same as seen from the scheduler. The job must fail within 10 s, naming the rank.
-    On the module's cluster: the frozen worker is killed at the end, its Nanny starts a new one, and the test
-    checks the cluster whole again (2 workers that run a job, no process left) as the module's next tests need."""
+    its rank with SIGSTOP is the same as seen from the scheduler. The job must fail within 10 s, naming the rank."""
     from _cluster import rank_process_pids
 
-    c = client
-    c.wait_for_workers(2, timeout=60)
-    job = run(c, _report_then_spin)
-    wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
-               what="a report from each rank")
-    victim = job.plan.addresses[1]
-    worker_pid = c.run(os.getpid, workers=[victim])[victim]
-    [rank_pid] = rank_process_pids(c)[victim]["running"]
-    frozen = [worker_pid, rank_pid]
-    t0 = time.time()
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
-            job.result(timeout=60)
-        took = time.time() - t0
-    finally:
+    with local_client(2) as c:
+        job = run(c, _report_then_spin)
+        wait_until(lambda: not job.metrics.empty and job.metrics["rank"].nunique() == 2, 120,
+                   what="a report from each rank")
+        victim = job.plan.addresses[1]
+        worker_pid = c.run(os.getpid, workers=[victim])[victim]
+        [rank_pid] = rank_process_pids(c)[victim]["running"]
+        frozen = [worker_pid, rank_pid]
+        t0 = time.time()
         for pid in frozen:
-            os.kill(pid, signal.SIGKILL)
-    print(f"frozen worker: job failed {took:.2f} s later")
-    assert took < 10, f"a frozen worker was found after {took:.1f} s"
-    assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
-    # the scheduler drops the killed worker, the Nanny starts a new one
-    wait_until(lambda: victim not in (w := scheduler_workers(c)) and len(w) >= 2, 60,
-               interval=0.2, what="the frozen worker's replacement")
-    assert run(c, lambda: 1).result(timeout=120) == [1, 1]
-    assert leftover_processes(c) == []
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(dask_ddp.WorkerLostError, match="no heartbeat for") as info:
+                job.result(timeout=60)
+            took = time.time() - t0
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGKILL)
+        print(f"frozen worker: job failed {took:.2f} s later")
+        assert took < 10, f"a frozen worker was found after {took:.1f} s"
+        assert info.value.rank == 1 and info.value.worker == victim and victim in str(info.value)
+        # the scheduler drops the killed worker, the Nanny starts a new one
+        wait_until(lambda: victim not in (w := scheduler_workers(c)) and len(w) >= 2, 60,
+                   interval=0.2, what="the frozen worker's replacement")
+        assert run(c, lambda: 1).result(timeout=120) == [1, 1]
+        assert leftover_processes(c) == []
 
 
 @pytest.mark.slow
