@@ -466,12 +466,17 @@ def test_the_sbatch_examples_cluster_takes_no_stranger(slurm, tmp_path):
 
 
 def sbatch_example(slurm, tmp_path, *script_and_args: str) -> str:
-    """Submit examples/slurm/ddp.sbatch as a user would, its resources scaled down to this machine; its job id."""
+    """Submit examples/slurm/ddp.sbatch as a user would, its resources scaled down to this machine; its job id.
+
+    Its time limit leaves room for the slowest test's waits at any load: the example's ``--signal=TERM@120``
+    comes up to 150 s before the limit (slurmctld checks every 30 s and sends it early rather than late), and
+    with ``--time=00:05:00`` a job that ran 2.5 min on a machine at load 30 got it mid-test (the stranger test
+    failed: its srun step was signalled at 18:25:11 of a job started at 18:22:40)."""
     repo = Path(__file__).resolve().parent.parent
     env = {**slurm.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                          "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=00:05:00",
+                          "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=00:20:00",
                           f"--output={tmp_path}/out-%j.txt", f"--chdir={repo}", "examples/slurm/ddp.sbatch",
                           *script_and_args], capture_output=True, text=True, env=env, cwd=repo, timeout=30)
     assert out.returncode == 0, out.stderr
