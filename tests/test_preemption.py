@@ -200,7 +200,7 @@ def test_a_save_that_does_not_fit_falls_back_to_the_last_periodic_checkpoint(tmp
 @pytest.mark.slow
 def test_an_elastic_job_grows_when_a_worker_joins(tmp_path):
     with local_client(2) as c:
-        job = run(c, train_steps, 400, checkpoint_dir=str(tmp_path), workers=(2, 3))
+        job = run(c, train_steps, 400, checkpoint_dir=str(tmp_path), workers=(2, 3), hold_from=10)
         wait_until(lambda: len(job.metrics) >= 20, 120, what="20 reports")
         c.cluster.scale(3)
         wait_until(lambda: len(scheduler_workers(c)) == 3, 120, interval=0.1,
@@ -221,7 +221,7 @@ def test_an_elastic_job_grows_when_a_worker_joins(tmp_path):
 def test_an_adaptive_cluster_closes_idle_workers_not_the_ranks(tmp_path):
     with local_client(4) as c:
         fast = tmp_path / "fast"
-        job = run(c, train_steps, 200, checkpoint_dir=str(tmp_path), workers=2, fast_after=str(fast))
+        job = run(c, train_steps, 200, checkpoint_dir=str(tmp_path), workers=2, fast_after=str(fast), hold_from=5)
         wait_until(lambda: len(job.metrics) >= 10, 120, what="10 reports")
         ranks = set(job.plan.addresses)
         c.cluster.adapt(minimum=2, maximum=4, interval="200ms", wait_count=2)
