@@ -220,6 +220,7 @@ ENV_SCRIPT = """
     print("argv", sys.argv[1:], "name", __name__, "file", os.path.basename(__file__), flush=True)
     print("dir", os.path.dirname(os.path.abspath(__file__)), flush=True)
     print("group", dist.get_rank(), dist.get_world_size(), dist.get_backend(), flush=True)
+    dist.barrier()  # as any training has collectives: a rank leaving at once races another's connectFullMesh
     dist.destroy_process_group()
 """
 
