@@ -225,7 +225,7 @@ def test_a_closing_worker_loses_none_of_the_reports_its_rank_held(tmp_path, paus
     flushes) before the kill. Lost under load in 2 of 10 runs at 10 ms reports (7 of 240 kept); every time at
     500 ms. Now the supervisor asks the rank for what it holds before the kill."""
     path = tmp_path / "last"
-    with local_client(1) as c:  # the job's one rank runs on the worker closed: no other worker takes part
+    with local_client(2) as c:
         victim = sorted(scheduler_workers(c))[0]
         with dask.config.set({"ddp.events.flush-interval": 5.0}):
             job = run(c, report_and_note, str(path), pause, workers=[victim])
