@@ -239,3 +239,17 @@ def test_no_import_cycle_counting_type_only_imports():
     only needs a shape (``observe.sinks.JobShape``, ``client.notices.Notifier``, ``sweeps.pickup.Continuing``)."""
     found = cycles(import_graph(PACKAGE))
     assert not found, describe(found)
+
+
+def test_the_command_line_package_imports_neither_torch_nor_distributed():
+    """``dask_ddp.cli``'s docstring promises a light import: the ranks of ``dask-ddp run`` import it to unpickle
+    the script runner, and ``dask-ddp --help`` or a usage error should not pay for distributed (1.5 CPU-s each,
+    13 such subprocesses in the CLI tests) or torch. Run in a fresh interpreter, which imports nothing before."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dask_ddp.cli, dask_ddp.cli.script\n"
+            "print(sorted(m for m in ('torch', 'distributed', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["[]"], f"importing dask_ddp.cli also imported {out.stdout.strip()}"

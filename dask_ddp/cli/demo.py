@@ -44,9 +44,6 @@ from dask_ddp.cli.common import (
     usage_error,
     wait_for,
 )
-from dask_ddp.client import dispatch
-from dask_ddp.client.cluster import scheduler_workers
-from dask_ddp.observe.sinks import CSVSink
 from dask_ddp.wire.errors import PlanError
 
 __all__ = ["run_demo", "digits_images", "upload", "embedded_s3", "build_model", "train", "add_parser", "main"]
@@ -170,6 +167,10 @@ def _embedded_data(stack: contextlib.ExitStack, scheduler: str | None, echo) -> 
 
 def _start(client, data, storage_options, checkpoint_dir, out, epochs, batch_size, lr, workers, echo):
     """List the data once, start the job with a CSV sink for its metrics; return ``(job, sink)``."""
+    from dask_ddp.client import dispatch  # here, not at the top: `dask-ddp --help` imports no distributed
+    from dask_ddp.client.cluster import scheduler_workers
+    from dask_ddp.observe.sinks import CSVSink
+
     train_set, test_set = _datasets(data, storage_options)
     world = workers or len(scheduler_workers(client))
     steps = epochs * math.ceil(math.ceil(len(train_set) / world) / batch_size)  # per rank: the bar's end

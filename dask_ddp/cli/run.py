@@ -22,7 +22,6 @@ from dask_ddp.cli.common import (
     wait_for,
 )
 from dask_ddp.cli.script import Script, load_script, run_script
-from dask_ddp.client import dispatch
 from dask_ddp.wire.errors import PlanError
 
 __all__ = ["add_parser", "main", "run_on"]
@@ -145,6 +144,8 @@ def run_on(client, script: Script, args: argparse.Namespace) -> int:
     Raises nothing of its own: a workers selection the cluster cannot plan is a usage error (its message on
     stderr, the usage exit code); the job's own outcome is the exit code (see ``wait_for``).
     """
+    from dask_ddp.client import dispatch  # here, not at the top: `dask-ddp --help` imports no distributed
+
     workers = args.workers if args.scheduler else None  # a local cluster has exactly --workers workers
     try:
         job = dispatch.run(client, run_script, script, workers=workers, backend=args.backend,
