@@ -21,7 +21,7 @@ def test_first_two_commands_are_the_demo_and_what_ci_runs():
     commands = [ln for ln in blocks("bash")[0].splitlines() if ln and not ln.startswith("#")]
     assert len(commands) == 2
     demo, tests = commands
-    assert demo.endswith("dask-ddp demo") and "pip install --no-compile -e '.[demo]'" in demo
+    assert demo.endswith("dask-ddp demo") and "pip install -e '.[demo]'" in demo
     ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
     assert ci.replace("pip install -q ", "pip install ") == tests, "README's second command must be .ci/run's"
 
