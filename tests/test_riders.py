@@ -5,6 +5,15 @@ import pytest
 from dask_ddp.checkpoint import riders
 
 
+@pytest.fixture(autouse=True)
+def own_registry(monkeypatch):
+    """The riders registered here leave with the test: the registry is process-wide, and a rider left in it
+    would ride in every later save of this xdist worker (a streaming loader left alive did that to
+    test_sharded_telemetry's byte count)."""
+    monkeypatch.setattr(riders, "_RIDERS", dict(riders._RIDERS))
+    monkeypatch.setattr(riders, "_HELD", dict(riders._HELD))
+
+
 def test_a_rider_rides_along_is_taken_out_on_load_and_a_value_loaded_first_waits_for_its_rider():
     got = []
     riders.register("__dask_ddp_test_a__", lambda: {"pos": 3}, got.append)
