@@ -348,8 +348,9 @@ def _hold_shared_memory(folder):
     segments = [shared_memory.SharedMemory(create=True, size=4096) for _ in range(2)]
     semaphores = [mp.get_context("spawn").Semaphore() for _ in range(2)]
     names = [s.name for s in segments] + ["sem." + s._semlock.name.lstrip("/") for s in semaphores]
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(folder, f"rank{rank}.part"), "w") as f:
         json.dump(names, f)
+    os.replace(os.path.join(folder, f"rank{rank}.part"), os.path.join(folder, f"rank{rank}.json"))  # whole
     for step, _ in enumerate(DataLoader(_Forever(), num_workers=2, batch_size=None)):
         dask_ddp.report(step=step)
         time.sleep(0.02)

@@ -30,6 +30,14 @@ def _sleep_forever():
         time.sleep(0.05)
 
 
+def _name_in(path, names):
+    """Write ``names`` to ``path`` whole (a ``.part`` file, then ``os.replace``): the test globs for ``*.json``
+    and reads what it finds, and a plain open-and-write was once read empty (CI)."""
+    with open(path + ".part", "w") as f:
+        json.dump(names, f)
+    os.replace(path + ".part", path)
+
+
 class _OwnSegment:
     """A dataset whose DataLoader worker makes a shared memory segment of its own (registered with the rank's
     tracker, which the forked worker shares) and names it in ``folder``."""
@@ -48,8 +56,7 @@ class _OwnSegment:
         if self.segment is None:
             self.segment = shared_memory.SharedMemory(create=True, size=4096)
             rank = dask_ddp.get_context().rank
-            with open(os.path.join(self.folder, f"loader{rank}.json"), "w") as f:
-                json.dump([self.segment.name], f)
+            _name_in(os.path.join(self.folder, f"loader{rank}.json"), [self.segment.name])
         return torch.zeros(4)
 
 
@@ -69,8 +76,7 @@ def _shm_and_own_sigterm(folder, how, fail_rank=None):
     child.start()
     loader = iter(DataLoader(_OwnSegment(folder), num_workers=1, batch_size=None))
     next(loader)
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump([segment.name], f)
+    _name_in(os.path.join(folder, f"rank{rank}.json"), [segment.name])
     step = 0
     while True:
         dask_ddp.report(step=step)
