@@ -344,13 +344,13 @@ def _hold_shared_memory(folder):
 
     from torch.utils.data import DataLoader
 
+    from dask_ddp.checkpoint.folder import atomic_write
+
     rank = dask_ddp.get_context().rank
     segments = [shared_memory.SharedMemory(create=True, size=4096) for _ in range(2)]
     semaphores = [mp.get_context("spawn").Semaphore() for _ in range(2)]
     names = [s.name for s in segments] + ["sem." + s._semlock.name.lstrip("/") for s in semaphores]
-    with open(os.path.join(folder, f"rank{rank}.part"), "w") as f:
-        json.dump(names, f)
-    os.replace(os.path.join(folder, f"rank{rank}.part"), os.path.join(folder, f"rank{rank}.json"))  # whole
+    atomic_write(os.path.join(folder, f"rank{rank}.json"), json.dumps(names).encode())  # whole: the test globs
     for step, _ in enumerate(DataLoader(_Forever(), num_workers=2, batch_size=None)):
         dask_ddp.report(step=step)
         time.sleep(0.02)

@@ -20,6 +20,7 @@ import pytest
 from _cluster import leftover_processes, run, wait_until
 
 import dask_ddp
+from dask_ddp.checkpoint.folder import atomic_write
 from dask_ddp.worker import process
 
 SHM = "/dev/shm"
@@ -28,14 +29,6 @@ SHM = "/dev/shm"
 def _sleep_forever():
     while True:
         time.sleep(0.05)
-
-
-def _name_in(path, names):
-    """Write ``names`` to ``path`` whole (a ``.part`` file, then ``os.replace``): the test globs for ``*.json``
-    and reads what it finds, and a plain open-and-write was once read empty (CI)."""
-    with open(path + ".part", "w") as f:
-        json.dump(names, f)
-    os.replace(path + ".part", path)
 
 
 class _OwnSegment:
@@ -56,7 +49,7 @@ class _OwnSegment:
         if self.segment is None:
             self.segment = shared_memory.SharedMemory(create=True, size=4096)
             rank = dask_ddp.get_context().rank
-            _name_in(os.path.join(self.folder, f"loader{rank}.json"), [self.segment.name])
+            atomic_write(os.path.join(self.folder, f"loader{rank}.json"), json.dumps([self.segment.name]).encode())
         return torch.zeros(4)
 
 
@@ -76,7 +69,7 @@ def _shm_and_own_sigterm(folder, how, fail_rank=None):
     child.start()
     loader = iter(DataLoader(_OwnSegment(folder), num_workers=1, batch_size=None))
     next(loader)
-    _name_in(os.path.join(folder, f"rank{rank}.json"), [segment.name])
+    atomic_write(os.path.join(folder, f"rank{rank}.json"), json.dumps([segment.name]).encode())  # whole: globbed
     step = 0
     while True:
         dask_ddp.report(step=step)
