@@ -86,17 +86,19 @@ def rank_process_pids(client) -> dict:
 
 
 def leftover_processes(client, wait: float = 10.0) -> list:
-    """Descendants of the Dask worker processes that are not what a worker keeps warm (its zygote and the rank
-    it forked ahead for the next job, or its spare: ``rank_process_pids``' ``"spare"``).
+    """Descendants of the Dask worker processes and of their zygotes (a zygote host's children) that are not what
+    a worker keeps warm (its zygote and the rank it forked ahead for the next job, or its spare:
+    ``rank_process_pids``' ``"spare"``).
 
     Waits up to ``wait`` seconds for killed processes to be reaped; returns what is left.
     """
     deadline = time.monotonic() + wait
     while True:
         worker_pids = client.run(os.getpid)
-        spares = {p for got in rank_process_pids(client).values() for p in got["spare"]}
+        warm = rank_process_pids(client).values()
+        spares = {p for got in warm for p in got["spare"]}
         left = []
-        for pid in worker_pids.values():
+        for pid in {*worker_pids.values(), *(got["zygote"] for got in warm if got["zygote"])}:
             try:
                 kids = psutil.Process(pid).children(recursive=True)
             except psutil.NoSuchProcess:

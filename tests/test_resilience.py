@@ -43,11 +43,15 @@ def kill_own_process():
 
 
 def dask_worker_pid() -> int:
-    """In a rank: the pid of its Dask worker process (its parent, or its zygote's parent)."""
+    """In a rank: the pid of its Dask worker process, the one listening on the worker's address (a rank's parent
+    is its zygote, whose parent is the zygote host or, with ``ddp.zygote-host: false``, the worker)."""
     import psutil
 
-    parent = psutil.Process(os.getppid())
-    return parent.ppid() if any("dask_ddp.rank.zygote" in part for part in parent.cmdline()) else parent.pid
+    port = int(dask_ddp.get_context().worker.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise RuntimeError(f"no process listens on {dask_ddp.get_context().worker}")
 
 
 def kill_own_worker():

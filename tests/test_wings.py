@@ -169,13 +169,14 @@ def test_the_public_modules_are_attributes_of_the_package_once_it_is_imported():
 
 def test_the_modules_processes_run_exist():
     """The CLI runs as ``python -m dask_ddp.cli``; a worker starts ``python -m dask_ddp.rank.zygote`` (or
-    ``dask_ddp.rank.main``) by name, so a rename must keep those."""
+    ``dask_ddp.rank.main``, or the zygote host ``dask_ddp.rank.zygote_host``) by name, so a rename must keep
+    those."""
     out = subprocess.run([sys.executable, "-m", "dask_ddp.cli", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-2000:]
-    source = (PACKAGE / "worker" / "process.py").read_text()
+    source = (PACKAGE / "worker" / "process.py").read_text() + (PACKAGE / "worker" / "zygote_host.py").read_text()
     started = re.findall(r'"-m", "(dask_ddp[\w.]+)"', source)
-    assert sorted(started) == ["dask_ddp.rank.main", "dask_ddp.rank.zygote"], started
+    assert sorted(started) == ["dask_ddp.rank.main", "dask_ddp.rank.zygote", "dask_ddp.rank.zygote_host"], started
     for module in started:
         assert importlib.util.find_spec(module) is not None, module
 

@@ -222,7 +222,14 @@ class Launcher:
         """The pids of the processes this worker keeps warm: its zygote and the rank it forked ahead, or
         (``ddp.zygote: false``) its spare."""
         with self._lock:
-            return [p.pid for p in (self._zygote, self._spare, self._forked) if p is not None and p.alive()]
+            return [p.pid for p in (self._zygote, self._spare, self._forked)
+                    if p is not None and p.alive() and p.pid is not None]
+
+    def zygote_pid(self) -> int | None:
+        """The pid of this worker's zygote while it runs (its child, or forked by the zygote host), else None."""
+        with self._lock:
+            zygote = self._zygote
+        return zygote.pid if zygote is not None and zygote.alive() else None
 
     def close(self) -> None:
         """Stop the zygote and the spare and start none again."""

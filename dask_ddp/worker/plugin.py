@@ -172,9 +172,11 @@ def register(client) -> None:
 
 
 def rank_process_pids(dask_worker) -> dict:
-    """Pids of this worker's rank processes: ``{"spare": [...], "running": [...]}`` (for tests and tools)."""
+    """Pids of this worker's rank processes: ``{"spare": [...], "running": [...], "zygote": pid or None}`` (for
+    tests and tools; the zygote is among the spares too)."""
     host = RankHost.of(dask_worker)
-    return {"spare": host.launcher.pids(), "running": [s.child.pid for s in host.running() if s.child]}
+    return {"spare": host.launcher.pids(), "running": [s.child.pid for s in host.running() if s.child],
+            "zygote": host.launcher.zygote_pid()}
 
 
 async def cool_spares(dask_worker=None) -> None:

@@ -16,6 +16,7 @@ ends the DataLoader workers it started: SIGTERM, a grace, then SIGKILL
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -28,12 +29,15 @@ from multiprocessing.connection import Connection
 import dask
 
 from dask_ddp.wire.task import TOKEN_VARIABLE
+from dask_ddp.worker import zygote_host
 from dask_ddp.worker.groups import ProcessGroup, open_pidfd
 from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root  # their first home: here
 
 __all__ = ["RankProcess", "Zygote", "ForkedRank", "stop_marked", "worker_tmp_root", "sweep_tmp_roots", "STOP_GRACE"]
 
 STOP_GRACE = 3.0  # seconds a rank process has, after SIGTERM, before SIGKILL (see _Rank.kill)
+_HOST_FAILED = False  # the zygote host failed once in this worker: its zygotes are its own children from then on
+logger = logging.getLogger("dask_ddp")
 TRACKER_WAIT = 1.0  # seconds the rank's resource tracker has, after the rank's SIGKILL, to remove what it leaked
 
 
@@ -208,12 +212,9 @@ class Zygote:
 
     def __init__(self):
         parent, child = socket.socketpair()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dask_ddp.rank.zygote", str(child.fileno())], pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL, start_new_session=True, env=_rank_environment())
-        child.close()
-        self.pid = self.proc.pid
-        self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: self.proc.returncode is not None)
+        self.proc: subprocess.Popen | None = None  # started by this worker (not with ddp.zygote-host)
+        self.pid: int | None = None  # known once it runs (forked by the zygote host: once the host answered)
+        self.group: ProcessGroup | None = None
         self.sock = parent
         self._replies = Connection(os.dup(parent.fileno()), writable=False)
         self._cond = threading.Condition()
@@ -222,9 +223,51 @@ class Zygote:
         self._forked: list[int] = []
         self.exits: dict[int, int] = {}  # child pid -> exit code, for children that ended
         self._fork_lock = threading.Lock()
+        env = _rank_environment()
+        if _use_host():
+            threading.Thread(target=self._read, args=(child, env), name="dask-ddp-zygote", daemon=True).start()
+            return
+        self._start(child, env)
         threading.Thread(target=self._read, name="dask-ddp-zygote", daemon=True).start()
 
-    def _read(self) -> None:
+    def _start(self, child: socket.socket, env: dict[str, str]) -> None:
+        """Start the zygote as this worker's child, on socket ``child`` (closed here)."""
+        with child:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dask_ddp.rank.zygote", str(child.fileno())], pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        with self._cond:
+            self.pid = self.proc.pid
+            proc = self.proc
+            self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: proc.returncode is not None)
+
+    def _from_host(self, child: socket.socket, env: dict[str, str]) -> None:
+        """Have the zygote host fork this worker's zygote on ``child`` (closed here); started here instead
+        where the host cannot (logged once; this worker then starts its zygotes itself)."""
+        global _HOST_FAILED
+        try:
+            with child:
+                pid, pidfd = zygote_host.fork_zygote(env, [child.fileno(), 1, 2],
+                                                     float(dask.config.get("ddp.spawn-timeout", 120)))
+        except OSError as e:
+            _HOST_FAILED = True
+            logger.warning("dask-ddp: no zygote host (%s); this worker starts its zygotes itself", e)
+            with self._cond:  # the launcher replaces a dead zygote: the next one is this worker's child
+                self._error = f"the zygote host did not fork a zygote: {e}"
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self.pid = pid
+            self.group = ProcessGroup(pid, pidfd, lambda: True)  # the pidfd says; once closed, done
+            self._cond.notify_all()
+        if self.sock.fileno() < 0:  # closed while the host forked it: it sees its socket's end and exits
+            self.close()
+
+    def _read(self, child: socket.socket | None = None, env: dict[str, str] | None = None) -> None:
+        if child is not None and env is not None:
+            self._from_host(child, env)
+            if self.pid is None:
+                return
         try:
             while True:
                 msg = self._replies.recv()
@@ -244,7 +287,9 @@ class Zygote:
                 self._cond.notify_all()
 
     def alive(self) -> bool:
-        return self._error is None and self.proc.poll() is None
+        if self.proc is not None:
+            return self._error is None and self.proc.poll() is None
+        return self._error is None and not (self.group is not None and self.group.leader_exited())
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the zygote has imported torch; True if it has (False: failed or still importing)."""
@@ -293,14 +338,26 @@ class Zygote:
 
     def close(self) -> None:
         """Stop the zygote (its children notice and die)."""
-        self.sock.close()
-        self.group.signal(signal.SIGKILL)  # it holds no shared memory: no grace
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.group.close()
+        self.sock.close()  # a zygote the host forks after this sees the end of its socket, and exits
+        with self._cond:
+            group = self.group
+        if group is not None:
+            group.signal(signal.SIGKILL)  # it holds no shared memory: no grace
+            if self.proc is not None:
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                group.wait(10)
+            group.close()
         self._replies.close()
+
+
+def _use_host() -> bool:
+    """Whether this worker's zygotes come from the zygote host (``ddp.zygote-host``, on a kernel with pidfds,
+    and the host has not failed in this worker)."""
+    return bool(dask.config.get("ddp.zygote-host", True)) and hasattr(os, "pidfd_open") and not _HOST_FAILED
 
 
 def _own_pidfd(sock: socket.socket, pid: int, timeout: float) -> int | None:
