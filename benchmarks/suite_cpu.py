@@ -51,9 +51,13 @@ def _log(what: str) -> None:
 
 # ---- the sampler ----
 
-def kind_of(cmd: list[str], parent: list[str]) -> str:
-    """The kind of process a command line is (see KINDS); a zygote's child is a forked rank."""
+def kind_of(cmd: list[str], parent: list[str], grandparent: list[str] = ()) -> str:
+    """The kind of process a command line is (see KINDS); a zygote's child is a forked rank. A zygote host, the
+    zygotes it forks and their ranks share one command line: told apart by how many ancestors have it too."""
     line = " ".join(cmd)
+    if "dask_ddp.rank.zygote_host" in line:
+        depth = sum("dask_ddp.rank.zygote_host" in " ".join(p) for p in (parent, grandparent))
+        return ("zygote host", "zygote", "rank (forked)")[depth]
     if "dask_ddp.rank.zygote" in line:
         return "rank (forked)" if "dask_ddp.rank.zygote" in " ".join(parent) else "zygote"
     for key, kind in KINDS:
@@ -99,9 +103,10 @@ class Sampler:
                     if key not in self.seen:
                         try:
                             parent = p.parent().cmdline()
+                            grandparent = p.parent().parent().cmdline()
                         except (psutil.Error, AttributeError):
-                            parent = []
-                        kind = kind_of(p.cmdline(), parent)
+                            parent, grandparent = [], []
+                        kind = kind_of(p.cmdline(), parent, grandparent)
                         self.seen[key] = (kind if kind != "other: ?" else f"other: {p.name()}",
                                           [a.pid for a in p.parents()])
                     times = p.cpu_times()
