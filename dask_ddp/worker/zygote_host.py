@@ -30,8 +30,9 @@ from pathlib import Path
 __all__ = ["fork_zygote", "host_key", "socket_dir", "PER_WORKER"]
 
 # variables a zygote takes from its worker after the fork (the import of torch never reads them): workers that
-# differ only in these share a host (dask-cuda gives each worker its own CUDA_VISIBLE_DEVICES)
-PER_WORKER = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "PYTEST_")
+# differ only in these share a host (dask-cuda gives each worker its own CUDA_VISIBLE_DEVICES; distributed marks
+# each client process's workers with its pid, for their process titles)
+PER_WORKER = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "__DASK_PARENT_PID", "PYTEST_")
 _LIMITS = ("RLIMIT_NOFILE", "RLIMIT_AS", "RLIMIT_MEMLOCK", "RLIMIT_STACK", "RLIMIT_CORE", "RLIMIT_NPROC")
 _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 
@@ -112,7 +113,7 @@ def _connect_or_start(env: dict[str, str], cwd: str) -> socket.socket:
     sock = _connect(path)
     if sock is not None:
         return sock
-    with open(directory / f"zygote-{key}.lock", "a") as lock:
+    with open(directory / "start.lock", "a") as lock:  # one for all hosts: a start takes ~10 ms
         fcntl.flock(lock, fcntl.LOCK_EX)
         sock = _connect(path)  # another worker may have started it meanwhile
         if sock is None:
