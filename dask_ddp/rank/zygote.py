@@ -1,8 +1,9 @@
 """The zygote: a warm interpreter per Dask worker that forks a fresh rank process for each job.
 
-Runs in: the zygote process (``python -m dask_ddp.rank.zygote FD``), a child of the
-Dask worker, and, after each fork, in the new rank process until it becomes a
-rank (:func:`dask_ddp.rank.main.serve`).
+Runs in: the zygote process: forked for its Dask worker by the host's zygote host
+(:mod:`dask_ddp.rank.zygote_host`, ``ddp.zygote-host``, the default), or started by the
+worker as ``python -m dask_ddp.rank.zygote FD``; and, after each fork, in the new rank
+process until it becomes a rank (:func:`dask_ddp.rank.main.serve`).
 
 Why: a rank process needs torch imported, which takes seconds; a job started
 right after another would wait for it. The zygote imports torch once and

@@ -242,8 +242,9 @@ class Zygote:
             self.group = ProcessGroup(self.pid, open_pidfd(self.pid), lambda: proc.returncode is not None)
 
     def _from_host(self, child: socket.socket, env: dict[str, str]) -> None:
-        """Have the zygote host fork this worker's zygote on ``child`` (closed here); started here instead
-        where the host cannot (logged once; this worker then starts its zygotes itself)."""
+        """Have the zygote host fork this worker's zygote on ``child`` (closed here). Where the host cannot, this
+        zygote counts as dead (a warning says why): the launcher replaces it with one this worker starts itself,
+        as it does every zygote from then on."""
         global _HOST_FAILED
         try:
             with child:
