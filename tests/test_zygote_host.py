@@ -91,6 +91,9 @@ def test_a_host_killed_leaves_its_zygotes_working_and_the_next_zygote_gets_a_new
                    what="the host's end")
         again = run(client, _what_ranks_see).result(timeout=180)
         assert {g["zygote"] for g in again} == {g["zygote"] for g in first}, "the zygotes must live on"
+        stale = zygote_host.socket_dir() / f"zygote-stale-{uuid.uuid4().hex[:8]}.sock"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as dead:  # as a host SIGKILLed in a netns leaves
+            dead.bind(str(stale))
         cluster.scale(3)
         client.wait_for_workers(3, timeout=120)
         third = run(client, _what_ranks_see, workers=3).result(timeout=180)
@@ -100,9 +103,31 @@ def test_a_host_killed_leaves_its_zygotes_working_and_the_next_zygote_gets_a_new
         assert host.pid != old
         path = next(c.laddr for c in _unix_listeners(host.pid) if c.laddr)
         assert os.path.exists(path)
+        assert not stale.exists(), "a new host's start removes the sockets nothing answers on"
     wait_until(lambda: not host.is_running() or host.status() == psutil.STATUS_ZOMBIE, 60,
                what="the idle host's exit")
     assert not os.path.exists(path), "an idle host removes its socket"
+
+
+def test_sigterm_ends_the_host_which_removes_its_socket_and_its_zygotes_live_on(monkeypatch):
+    """``scancel`` or a pod's end signal every process: the host leaves its name free; its zygotes serve on."""
+    monkeypatch.setenv("ZYGOTE_HOST_TEST", uuid.uuid4().hex)  # a host of this test's own
+    monkeypatch.setattr(process, "_HOST_FAILED", False)
+    zygote = process.Zygote()
+    try:
+        assert zygote.wait_ready(120)
+        host = psutil.Process(psutil.Process(zygote.pid).ppid())
+        path = next(c.laddr for c in _unix_listeners(host.pid) if c.laddr)
+        host.send_signal(signal.SIGTERM)
+        wait_until(lambda: not host.is_running() or host.status() == psutil.STATUS_ZOMBIE, 30, what="its end")
+        assert not os.path.exists(path)
+        rank = zygote.fork()
+        try:
+            assert rank.alive()
+        finally:
+            rank.kill()
+    finally:
+        zygote.close()
 
 
 def test_with_the_host_off_each_zygote_is_its_workers_child():

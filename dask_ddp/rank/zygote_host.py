@@ -65,6 +65,7 @@ def _become_zygote(listener: socket.socket, conn: socket.socket, wake: tuple[int
         for end in wake:
             os.close(end)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote sets its own
         ctl, out, err = fds
         os.dup2(out, 1)
         os.dup2(err, 2)
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.close(devnull)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    inode = os.stat(path).st_ino
+    signal.signal(signal.SIGTERM, lambda *_: _leave(path, inode))  # scancel, a pod's end: its zygotes live on
     from dask_ddp.rank.warm import warm_imports
 
     warm_imports()
@@ -144,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     idle_since, children = time.monotonic(), set[int]()
-    inode = os.stat(path).st_ino
     while True:
         readable, _, _ = select.select([listener.fileno(), wake_r], [], [], 1.0)
         if wake_r in readable:
@@ -155,12 +156,17 @@ def main(argv: list[str] | None = None) -> None:
         if children:
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > idle and not select.select([listener], [], [], 0)[0]:
-            try:  # leave the name to a newer host if one took it meanwhile
-                if os.stat(path).st_ino == inode:
-                    os.unlink(path)
-            except OSError:
-                pass
-            os._exit(0)
+            _leave(path, inode)
+
+
+def _leave(path: str, inode: int) -> None:
+    """Remove this host's socket (not a newer host's of the same name) and exit."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,24 @@ def socket_dir() -> Path:
     return path
 
 
+def _sweep(directory: Path) -> None:
+    """Remove the sockets of hosts that died without removing them (SIGKILL, a network namespace torn down):
+    nothing answers on them (called under the start lock; a live host reads the end of a connection at once)."""
+    for stale in directory.glob("zygote-*.sock"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(str(stale))
+        except ConnectionRefusedError:
+            stale.unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
 def _start_host(path: Path, env: dict[str, str], cwd: str) -> None:
     """Bind the host's socket and start the host on it (called under the lock, with no host listening)."""
+    _sweep(path.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         path.unlink(missing_ok=True)  # a host that died without removing it
