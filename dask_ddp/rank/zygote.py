@@ -40,11 +40,14 @@ import socket
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import Iterator
 
-__all__ = ["main"]
+__all__ = ["main", "reaped"]
 
 
-def _reap(replies: Connection) -> None:
+def reaped() -> Iterator[tuple[int, int]]:
+    """Reap every child of this process that has ended, yielding its pid and exit code (negative: the signal
+    that killed it); also the zygote host's loop. Raises nothing."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -52,7 +55,12 @@ def _reap(replies: Connection) -> None:
             return
         if pid == 0:
             return
-        replies.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def _reap(replies: Connection) -> None:
+    for pid, code in reaped():
+        replies.send(("exit", pid, code))
 
 
 def _become_rank(ctl: socket.socket, replies: Connection, wake: tuple[int, int], fds: list[int]) -> None:

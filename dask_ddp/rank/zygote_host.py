@@ -34,19 +34,15 @@ import sys
 import threading
 import time
 
+from dask_ddp.rank import zygote
+
 __all__ = ["main"]
 
 MAX_REQUEST = 1 << 20  # bytes of one request (the environment is most of it)
 
 
 def _reap(children: set[int]) -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, _ in zygote.reaped():
         children.discard(pid)
 
 
@@ -83,8 +79,6 @@ def _become_zygote(listener: socket.socket, conn: socket.socket, wake: tuple[int
             import dask.config
 
             dask.config.refresh()
-        from dask_ddp.rank import zygote
-
         zygote.main([str(ctl)])
     except BaseException:  # noqa: BLE001 - a child must never return into the host's loop
         os._exit(70)
