@@ -24,6 +24,7 @@ from _cluster import leftover_processes, local_client, rank_process_pids, run, w
 
 import dask_ddp
 from dask_ddp.worker import process, tmpdirs
+from dask_ddp.worker import zygote as worker_zygote
 
 NOBODY = 65534  # another local user
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (uid 65534): needs root")
@@ -275,7 +276,7 @@ def test_a_rank_forked_ahead_serves_the_next_job_and_is_dropped_with_its_zygote(
 
 def test_a_forked_rank_reaped_by_its_zygote_is_never_signalled_by_its_pid(monkeypatch):
     """The zygote reaps the ranks it forks; once it has, the worker must not signal the rank's pid."""
-    zygote = process.Zygote()
+    zygote = worker_zygote.Zygote()
     try:
         assert zygote.wait_ready(120), "the zygote did not start"
         rank = zygote.fork()

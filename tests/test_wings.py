@@ -174,7 +174,7 @@ def test_the_modules_processes_run_exist():
     out = subprocess.run([sys.executable, "-m", "dask_ddp.cli", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-2000:]
-    source = (PACKAGE / "worker" / "process.py").read_text() + (PACKAGE / "worker" / "zygote_host.py").read_text()
+    source = "".join((PACKAGE / "worker" / name).read_text() for name in ("process.py", "zygote.py", "zygote_host.py"))
     started = re.findall(r'"-m", "(dask_ddp[\w.]+)"', source)
     assert sorted(started) == ["dask_ddp.rank.main", "dask_ddp.rank.zygote", "dask_ddp.rank.zygote_host"], started
     for module in started:

@@ -19,7 +19,8 @@ from _cluster import leftover_processes, rank_process_pids, run, wait_until
 from dask.distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 import dask_ddp
-from dask_ddp.worker import process, zygote_host
+from dask_ddp.worker import zygote as worker_zygote
+from dask_ddp.worker import zygote_host
 
 HOST = "dask_ddp.rank.zygote_host"
 
@@ -112,8 +113,8 @@ def test_a_host_killed_leaves_its_zygotes_working_and_the_next_zygote_gets_a_new
 def test_sigterm_ends_the_host_which_removes_its_socket_and_its_zygotes_live_on(monkeypatch):
     """``scancel`` or a pod's end signal every process: the host leaves its name free; its zygotes serve on."""
     monkeypatch.setenv("ZYGOTE_HOST_TEST", uuid.uuid4().hex)  # a host of this test's own
-    monkeypatch.setattr(process, "_HOST_FAILED", False)
-    zygote = process.Zygote()
+    monkeypatch.setattr(worker_zygote, "_HOST_FAILED", False)
+    zygote = worker_zygote.Zygote()
     try:
         assert zygote.wait_ready(120)
         host = psutil.Process(psutil.Process(zygote.pid).ppid())
@@ -148,12 +149,12 @@ def test_the_socket_directory_must_be_the_users_alone(tmp_path, monkeypatch):
     theirs.chmod(0o777)
     with pytest.raises(OSError, match="not a directory of this user's alone"):
         zygote_host.socket_dir()
-    monkeypatch.setattr(process, "_HOST_FAILED", False)
-    zygote = process.Zygote()
+    monkeypatch.setattr(worker_zygote, "_HOST_FAILED", False)
+    zygote = worker_zygote.Zygote()
     try:
         assert not zygote.wait_ready(60) and "zygote host" in zygote._error
-        assert process._HOST_FAILED, "the next zygote must be the worker's own"
-        own = process.Zygote()
+        assert worker_zygote._HOST_FAILED, "the next zygote must be the worker's own"
+        own = worker_zygote.Zygote()
         try:
             assert own.wait_ready(120) and own.proc is not None and psutil.Process(own.pid).ppid() == os.getpid()
         finally:
@@ -165,9 +166,9 @@ def test_the_socket_directory_must_be_the_users_alone(tmp_path, monkeypatch):
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root, to connect as another user")
 def test_another_user_is_never_served(tmp_path, monkeypatch):
     """The host answers its own user only (SO_PEERCRED), even where its directory is opened up."""
-    monkeypatch.setattr(process, "_HOST_FAILED", False)
+    monkeypatch.setattr(worker_zygote, "_HOST_FAILED", False)
     with dask.config.set({"ddp.spawn-timeout": 120}):
-        zygote = process.Zygote()
+        zygote = worker_zygote.Zygote()
     try:
         assert zygote.wait_ready(120)
         host = psutil.Process(zygote.pid).ppid()

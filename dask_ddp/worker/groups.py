@@ -14,7 +14,7 @@ only while the exit is not known yet (``exited``). Where neither holds, nothing 
 group is found by the rank's token instead (:func:`dask_ddp.worker.process.stop_marked`).
 
 :meth:`ProcessGroup.signal_members` signals the members one by one, each through a pidfd of its own, sparing some
-(the resource tracker, see :meth:`dask_ddp.worker.process._Rank.kill`).
+(the resource tracker, see :meth:`dask_ddp.worker.process.RankBase.kill`).
 
 Whether a member still *runs* is read from ``/proc`` (zombies do not run: an orphaned member's zombie
 may wait seconds for init to reap it).

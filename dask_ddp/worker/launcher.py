@@ -19,7 +19,8 @@ from typing import Callable
 import dask
 
 from dask_ddp.wire.messages import WarmCuda
-from dask_ddp.worker.process import ForkedRank, RankProcess, Zygote
+from dask_ddp.worker.process import RankProcess
+from dask_ddp.worker.zygote import ForkedRank, Zygote
 
 __all__ = ["Launcher", "WARM_CUDA_IDLE"]
 

@@ -1,6 +1,6 @@
 """How a worker gets its zygote forked by its host's warm zygote host (``ddp.zygote-host``).
 
-Runs in: the Dask worker (the zygote's reader thread, :class:`dask_ddp.worker.process.Zygote`).
+Runs in: the Dask worker (the zygote's reader thread, :class:`dask_ddp.worker.zygote.Zygote`).
 
 The host (:mod:`dask_ddp.rank.zygote_host`) listens on a Unix socket named after everything that could make an
 ``import torch`` come out differently: the interpreter and its version, the package and when it last changed,
