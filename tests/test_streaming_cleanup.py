@@ -66,7 +66,7 @@ def test_50_kill_9_cycles_leave_no_shm_lock_or_temp_file(tmp_path):
         assert name in names, f"{name} is not a complete cache file (a temporary, part or lock file?)"
         assert crc32((folder / name).read_bytes()) == index.crcs[names[name]], f"{name} is incomplete"
     assert sum(os.path.getsize(folder / n) for n in files) <= 40_000 + max(index.sizes)
-    assert files, "the cache was never written: the test tests nothing"
+    assert files, f"the cache was never written: the test tests nothing\n{proc.stderr[-3000:]}"
     claims = [ShardCache(cache, 40_000).claim(name) for name in names]  # no claim outlived its killed process
     assert all(c is not None for c in claims)
     for c in claims:
@@ -98,3 +98,41 @@ def test_cached_shards_are_shared_memory_maps_that_outlive_their_eviction(tmp_pa
     assert not (folder / "a.tar").exists() and cache.get("a.tar") is None
     assert held[:] == first  # the map taken before still reads the evicted file's bytes
     assert cache.get("b.tar")[:] == second
+
+
+
+def test_threads_evicting_at_once_never_empty_the_cache(tmp_path):
+    """6 threads of one process (a fetcher's prefetch threads) putting and reading 10 KB files in a 50 KB cache
+    never leave it with fewer than 4 files once it held 5 (counted by name, in one ``getdents`` call).
+
+    Each eviction listed the folder through the one descriptor the threads share; a listing then shared its
+    read offset with another thread's and saw the same files several times, or none: an eviction counting
+    each file twice removed them all (test_50_kill_9_cycles' cache was found empty in CI)."""
+    import threading
+
+    from dask_ddp.data.streaming.cache import ShardCache
+
+    size, limit, threads, rounds = 10_000, 50_000, 6, 300
+    cache = ShardCache(tmp_path / "cache", limit)
+    folder, blob, stop = Path(cache.folder), os.urandom(size), threading.Event()
+
+    def writer(t: int) -> None:  # put a file of its own, read two others (they become the most recently used)
+        for i in range(rounds):
+            cache.put(f"{t}-{i}.tar", blob)
+            for j in (i - 1, i - 2):
+                cache.get(f"{(t + 1) % threads}-{max(j, 0)}.tar")
+
+    workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+    counts = []
+    for w in workers:
+        w.start()
+    while any(w.is_alive() for w in workers):
+        counts.append(sum(n.endswith(".tar") for n in os.listdir(folder)))
+    for w in workers:
+        w.join()
+    full = next((k for k, n in enumerate(counts) if n * size >= limit), None)
+    print(f"{len(counts)} scans; fewest files once full: {min(counts[full:]) if full is not None else None}")
+    assert full is not None, "the cache never filled: the test tests nothing"
+    assert not cache.broken
+    assert min(counts[full:]) * size >= limit - size, f"over-evicted: fewest files {sorted(counts[full:])[:20]}"
+    assert sum(n.endswith(".tar") for n in os.listdir(folder)) * size == limit

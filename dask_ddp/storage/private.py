@@ -103,6 +103,27 @@ class PrivateFolder:
             if folder != self._fd:
                 os.close(folder)
 
+    def entries(self) -> list[tuple[str, os.stat_result | None]]:
+        """The top folder's names with their ``lstat`` (None: removed since it was listed). Raises OSError.
+
+        Listed through a descriptor of its own: ``os.scandir`` and ``os.listdir`` of the shared descriptor
+        :meth:`fd` would share its read offset with every other thread listing it (they duplicate it, and
+        rewind it when done), and a thread then saw no names, or the same names several times (a prefetch
+        thread's eviction counted each file again, and emptied the shard cache).
+        """
+        fd = os.open(".", _DIR_FLAGS, dir_fd=self.fd())
+        try:
+            with os.scandir(fd) as it:
+                found = []
+                for e in it:
+                    try:
+                        found.append((e.name, e.stat(follow_symlinks=False)))
+                    except FileNotFoundError:
+                        found.append((e.name, None))
+                return found
+        finally:
+            os.close(fd)
+
     def unlink(self, name: str) -> None:
         """Remove the file ``name`` of the top folder (gone already: nothing). Raises OSError."""
         try:

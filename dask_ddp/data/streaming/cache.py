@@ -15,10 +15,10 @@ none to leave (where the filesystem lacks ``O_TMPFILE``, a ``.part-<pid>-...`` f
 next start when its process is gone). While one process downloads a shard, the others of the host wait for
 its cache file; that claim is an open-file-description lock on a byte of ``.claims`` (one empty file in the
 private folder, which no other user can open), which the kernel drops when its process ends, however it
-ends. Eviction removes the least recently used files beyond ``limit`` bytes; a reader holding a file open
-keeps its bytes until it closes it. A cached shard is read as a read-only memory map of the descriptor that
-was checked: the processes of a host that hold the same shard share its pages (the page cache) instead of
-each holding a copy.
+ends. Eviction removes the least recently used files beyond ``limit`` bytes, one thread or process at a time
+(a lock on another byte of ``.claims``); a reader holding a file open keeps its bytes until it closes it. A
+cached shard is read as a read-only memory map of the descriptor that was checked: the processes of a host
+that hold the same shard share its pages (the page cache) instead of each holding a copy.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = ["ShardCache", "Claim", "map_file"]
 logger = logging.getLogger("dask_ddp.data")
 _PART = re.compile(r"^\.part-(\d+)-")
 CLAIMS = ".claims"
+_EVICTING = 1 << 50  # the byte of .claims that eviction locks: beyond every claim's (48-bit offsets)
 
 
 class Claim:
@@ -107,8 +108,8 @@ class ShardCache:
             fd = os.open(CLAIMS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.home.fd())
         except OSError:
             return Claim()
-        try:  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, at, 1, 0))
+        try:
+            _lock(fd, at)
             return Claim(fd)
         except OSError as err:
             os.close(fd)
@@ -143,15 +144,33 @@ class ShardCache:
             self._switch_off(err)
 
     def _evict(self) -> None:
-        entries = []
-        with os.scandir(self.home.fd()) as it:
-            for e in it:
-                if e.name.endswith(".tar"):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    entries.append((st.st_mtime, st.st_size, e.name))
+        """Remove the least recently used files beyond the limit, one thread or process of the host at a time:
+        two that listed the folder together would each remove files for the same excess."""
+        try:
+            fd = os.open(CLAIMS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.home.fd())
+        except OSError:
+            fd = None
+        try:
+            deadline, delay = time.monotonic() + 10, 0.001
+            while fd is not None:  # one stopped (SIGSTOP) while it holds the lock holds the others 10 s at most
+                try:
+                    _lock(fd, _EVICTING)  # released by the close below, or by the kernel at our end
+                    break
+                except OSError as err:
+                    if err.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                        break  # evict unserialized
+                except AttributeError:  # no OFD locks here
+                    break
+                time.sleep(delay)
+                delay = min(0.05, delay * 2)
+            self._evict_locked()
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _evict_locked(self) -> None:
+        entries = [(st.st_mtime, st.st_size, name) for name, st in self.home.entries()
+                   if st is not None and name.endswith(".tar")]
         total = sum(s for _, s, _ in entries)
         for _, size, name in sorted(entries):
             if total <= self.limit:
@@ -161,7 +180,7 @@ class ShardCache:
 
     def _remove_orphans(self) -> None:
         """Remove ``.part-<pid>-`` files whose process is gone (only where O_TMPFILE is missing)."""
-        for name in os.listdir(self.home.fd()):
+        for name, _ in self.home.entries():
             m = _PART.match(name)
             if m and not _alive(int(m[1])):
                 try:
@@ -188,6 +207,13 @@ def map_file(path: str) -> bytes | mmap.mmap:
         if others_can_write(os.fstat(f.fileno())):
             return f.read()
         return mapped(f.fileno())
+
+
+def _lock(fd: int, at: int) -> None:
+    """An open-file-description write lock on byte ``at`` of ``fd``, not waited for. Raises OSError (EAGAIN or
+    EACCES: another open file description holds it), AttributeError (no OFD locks on this platform)."""
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, at, 1, 0))
 
 
 def _alive(pid: int) -> bool:
