@@ -272,11 +272,14 @@ class SimulatedHosts:
             with contextlib.suppress(Exception):
                 self.client.close(timeout=5)
         _kill_groups(self.procs)
+        # the client's link first, here, synchronously: a namespace's deletion destroys its links later, in the
+        # kernel's own time, and the link in the root namespace (with its address and route) went with them
+        # only after leftovers() had looked (CI: "route ... dev ddp-T-c", the link itself already unlisted)
+        if self.client_link in ip("-o", "link", check=False):
+            ip("link", "del", self.client_link, check=False)
         for ns in reversed(self.namespaces):
             _kill_namespace(ns)
             ip("netns", "del", ns, check=False)
-        if self.client_link in ip("-o", "link", check=False):
-            ip("link", "del", self.client_link, check=False)
         for host in self.hosts:
             shutil.rmtree(NETNS_ETC / host.ns, ignore_errors=True)
         if self._made_netns_etc:
@@ -287,7 +290,10 @@ class SimulatedHosts:
             (STATE / f"{self.tag}.pid").unlink()
         with contextlib.suppress(OSError):
             STATE.rmdir()  # when no other run holds namespaces
-        return self.leftovers()
+        deadline = time.monotonic() + 10  # what a deleted namespace held goes asynchronously (a kernel work queue)
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def leftovers(self) -> list[str]:
         """Anything of this run still on the machine: namespaces, links, routes, addresses, hosts files."""
