@@ -114,7 +114,7 @@ class PrivateFolder:
         fd = os.open(".", _DIR_FLAGS, dir_fd=self.fd())
         try:
             with os.scandir(fd) as it:
-                found = []
+                found: list[tuple[str, os.stat_result | None]] = []
                 for e in it:
                     try:
                         found.append((e.name, e.stat(follow_symlinks=False)))
