@@ -33,6 +33,7 @@ from dask_ddp.rank.context import (
     seed_everything,
 )
 from dask_ddp.rank.fsdp import device_mesh, shard_model
+from dask_ddp.rank.live import LiveRecoveryError, LiveStep, live_steps
 from dask_ddp.rank.preemption import Preempted, on_preemption, preempted
 from dask_ddp.rank.reporting import report
 from dask_ddp.rank.telemetry import timed
@@ -93,5 +94,5 @@ __all__ = [
     "MLflowSink", "DaskDDPWarning",
     "Preempted", "preempted", "on_preemption", "sweep", "Sweep", "attach_sweep", "SweepNotFound",
     "slurm_options", "save_sharded", "load_sharded",
-    "wait_sharded", "ShardError", "device_mesh", "shard_model",
+    "wait_sharded", "ShardError", "device_mesh", "shard_model", "live_steps", "LiveStep", "LiveRecoveryError",
 ]

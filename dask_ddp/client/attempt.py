@@ -24,6 +24,7 @@ class Attempt:
         self.leaving: dict[str, float] = {}  # worker address -> clock() it was retired: its ranks may be saving
         self.stalled: StallError | None = None
         self.queue_checked = False
+        self.recovered: set[int] = set()  # ranks a live-recovered job went on without (client.live)
 
     def ended(self) -> bool:
         return len(self.outcomes) == len(self.tasks)

@@ -29,6 +29,7 @@ import cloudpickle
 import dask
 
 from dask_ddp.client import elastic, policy
+from dask_ddp.client import live as live_recovery
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.callbacks import Callbacks
 from dask_ddp.client.events import EventOrder, items_of
@@ -226,7 +227,9 @@ class Controller:
                 if outcome is None:
                     continue
             att.outcomes[r.rank] = outcome
-            if outcome.failed:
+            if outcome.failed and live_recovery.recoverable(self.spec, att, outcome):
+                self.record.note(live_recovery.tell(self.cluster, att, outcome))
+            elif outcome.failed:
                 self._abort(outcome.message or f"rank {r.rank} failed")
         self._check_stall(att)
         self._check_queued(att)
@@ -289,7 +292,7 @@ class Controller:
         self._decide(att)
 
     def _decide(self, att: Attempt) -> None:
-        outcomes = list(att.outcomes.values())
+        outcomes = list(live_recovery.settled(att).values())
         if att.stalled is not None:
             outcomes.append(RankOutcome(att.stalled.rank, att.stalled.worker, Status.STALLED, time=0.0,
                                         error=cloudpickle.dumps(att.stalled)))
@@ -305,7 +308,7 @@ class Controller:
         if capped is not None:
             self._end("FAILED", capped, decision.reason)
         elif decision.action == Action.FINISH:
-            values, error = policy.results(att.outcomes, self.raw, self.run_id)
+            values, error = policy.results(live_recovery.settled(att), self.raw, self.run_id)
             self._end("FAILED" if error else "FINISHED", error, str(error) if error else decision.reason, values)
         elif stop or self.cancel_requested:
             self.record.stopped_step = pre.step if stop else None

@@ -35,6 +35,7 @@ from dask_ddp.client.cluster import check_client, scheduler_workers
 from dask_ddp.client.control import LocalControl
 from dask_ddp.client.detach import attach
 from dask_ddp.client.job import Job
+from dask_ddp.client.live import RECOVERY
 from dask_ddp.dashboard import install as install_dashboard
 from dask_ddp.wire import pickling
 from dask_ddp.wire import plan as planning
@@ -64,7 +65,7 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
         master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
         progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
         max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_options: dict | None = None,
-        timeout: float | None = None, detach: bool = False, **kwargs: Any) -> Job:
+        timeout: float | None = None, detach: bool = False, recovery: str = "restart", **kwargs: Any) -> Job:
     """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
 
     Inside ``fn`` the torch process group is initialised (it ends with the
@@ -131,6 +132,13 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
         dies, every rank is stopped. True: the job's controller runs in the scheduler's process and the
         job keeps running without this client; any client can :func:`attach` to it by name or run id
         (:mod:`dask_ddp.client.detach`). A detached job takes no ``callbacks``.
+    recovery : "restart" or "live"
+        ``restart`` (default): every fault ends the attempt, and ``max_restarts`` restarts it.
+        ``live``: when a rank's process dies or its worker is lost, the other ranks go on in their
+        processes with a group re-formed without it, at the step they were at; the training loop runs
+        under :func:`dask_ddp.live_steps` (:mod:`dask_ddp.rank.live`). The job's result is the values of the
+        ranks that finished it. Rank 0's loss, a failure of the code, and fewer ranks left than
+        ``workers=(min, max)``'s ``min`` still end the attempt.
 
     Raises
     ------
@@ -141,14 +149,14 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
     SerializationError
         ``fn`` or an argument cannot be pickled (names which).
     PlanError
-        Bad ``workers=``, unknown backend, bad numbers.
+        Bad ``workers=``, unknown backend or ``recovery``, bad numbers.
     ClientClosedError
         The client is not connected.
     """
     return start(client, fn, args, kwargs, workers=workers, backend=backend, master_addr=master_addr, name=name,
                  callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
                  max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, checkpoint_options=checkpoint_options,
-                 timeout=timeout, detach=detach)
+                 timeout=timeout, detach=detach, recovery=recovery)
 
 
 def start(client: Client, fn: Callable, args: Sequence, kwargs: dict, *, pickled: bool = False,
@@ -281,7 +289,7 @@ def _run_id(name, fn_name: str) -> str:
 
 def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_addr=None, name=None, callbacks=(),
               progress=True, total=None, stall_timeout=None, max_restarts=0, checkpoint_dir=None, timeout=None,
-              checkpoint_options=None, warm_cuda: bool | None = None) -> LaunchSpec:
+              checkpoint_options=None, warm_cuda: bool | None = None, recovery: str = "restart") -> LaunchSpec:
     """Everything :func:`run` checks, and the job's spec (``ddp.*`` read now), without starting anything; the
     keywords and their defaults are ``run``'s, ``warm_cuda`` is :func:`start`'s.
 
@@ -304,6 +312,8 @@ def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_ad
         raise PlanError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise PlanError(f"max_restarts={max_restarts!r}: expected an int >= 0")
+    if recovery not in RECOVERY:
+        raise PlanError(f"recovery={recovery!r}: expected one of {', '.join(map(repr, RECOVERY))}")
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
         raise PlanError(f"total={total!r}: expected a positive int or None")
     call = pickling.dumps_call(fn, args, kwargs)
@@ -322,7 +332,8 @@ def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_ad
         stall_timeout=_number("stall_timeout", cfg["stall-timeout"] if stall_timeout is None else stall_timeout,
                               minimum=0.1, allow_none=True),
         worker_timeout=_number("ddp.worker-timeout", cfg["worker-timeout"], minimum=0, allow_none=True),
-        max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, progress=bool(progress), total=total,
+        max_restarts=max_restarts, recovery=recovery, checkpoint_dir=checkpoint_dir, progress=bool(progress),
+        total=total,
         echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
         warm_cuda=bool(cfg.get("warm-cuda", False) if warm_cuda is None else warm_cuda),
         **_telemetry(cfg["telemetry"]))

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from dask_ddp.checkpoint.sharded import background as sharded_async
-from dask_ddp.rank import context, preemption, reporting, telemetry
+from dask_ddp.rank import context, live, preemption, reporting, telemetry
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
 from dask_ddp.rank.warm import warm_cuda, warm_imports
@@ -40,6 +40,7 @@ from dask_ddp.wire.messages import (
     Flushed,
     FlushRequest,
     Notice,
+    PeerLost,
     Ready,
     Stacks,
     StacksRequest,
@@ -154,6 +155,8 @@ class _Channel:
                         self.send(Flushed())
                     elif isinstance(msg, Notice):  # a worker of the job leaves: tell every rank
                         preemption.announce(msg)
+                    elif isinstance(msg, PeerLost):  # a live job lost ranks: its group re-forms without them
+                        live.peer_lost(msg.ranks, msg.cause)
             except (EOFError, OSError):
                 _die()
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from dask_ddp.rank import devices, network, preemption
+from dask_ddp.rank import devices, live, network, preemption
 from dask_ddp.wire.errors import RendezvousError
 from dask_ddp.wire.messages import Port
 from dask_ddp.wire.task import RankTask
@@ -76,6 +76,8 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
     if backend == "nccl" and spec.world_size == 1:  # its GPU is the current device (devices.place set it)
         warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
     join(keys, spec.world_size)
+    if task.recovery == "live":
+        live.setup(keys, task.signing_key, spec.rank, spec.world_size, backend, task.timeout, device)
     preemption.start(keys, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
                      preemption.grace_period(), spec.address, prefix=task.store_prefix, ending=ending,
                      key=task.signing_key, attempt=task.attempt)
@@ -129,6 +131,7 @@ def join(store, world_size: int) -> None:
 def finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
     """Rank 0 hosts the store: it stays until every rank has finished, so no rank loses it early; then every
     rank's notice watcher is let go (:func:`preemption.release`) before the store can close."""
+    world_size = live.final_world_size(world_size)  # a live job ends with the ranks its group kept
     store.add("dask_ddp/done", 1)
     if rank == 0:
         deadline, nap = time.monotonic() + wait, 0.001

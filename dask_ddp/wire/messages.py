@@ -30,7 +30,7 @@ from dask_ddp.wire.notices import Notice, Stopped
 from dask_ddp.wire.task import RankTask
 
 __all__ = ["Ready", "Port", "Events", "Result", "Failed", "Stacks", "Start", "WarmCuda", "StacksRequest",
-           "FlushRequest", "Flushed", "Notice", "NoticeSeen", "Saved"]
+           "FlushRequest", "Flushed", "Notice", "NoticeSeen", "PeerLost", "Saved"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,15 @@ class NoticeSeen:
 
     notice: Notice
     can_save: bool = True
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """Ranks of the job were lost (their processes died, their workers left): a rank of a live-recovered job
+    (``recovery="live"``, :mod:`dask_ddp.rank.live`) re-forms its group without them."""
+
+    ranks: tuple[int, ...]
+    cause: str = ""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class LaunchSpec:
     stall_timeout: float | None = None
     worker_timeout: float | None = 6
     max_restarts: int = 0
+    recovery: str = "restart"  # or "live": survivors of a lost rank go on in their processes (dask_ddp.rank.live)
     restart_wait: float = 60
     checkpoint_dir: str | None = field(default=None, repr=False)  # its URL may carry credentials (userinfo)
     checkpoint_options: dict = field(default_factory=dict, repr=False)  # may hold credentials

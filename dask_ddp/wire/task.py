@@ -50,6 +50,9 @@ class RankTask:
     spare_early: bool = False
     # the next job's rank is forked as this one starts and starts CUDA meanwhile (ddp.warm-cuda; sweeps' trials)
     warm_cuda: bool = False
+    # "live": a lost rank's peers go on without it in their processes (dask_ddp.rank.live); "restart": every fault
+    # restarts the job (the default)
+    recovery: str = "restart"
     # the attempt's store keys live under dask_ddp/<secret>/ (see :attr:`store_prefix`): it keeps attempts and
     # other users of a store apart, but it is no secret from whoever reaches the store (TCPStore.list_keys()
     # lists every key); what keeps a preemption notice from being forged is signing_key

@@ -125,7 +125,8 @@ class Supervisor:
         self.relay.stop()
         outcome.started = started
         outcome.last_seq = self.relay.seq
-        if outcome.status in (Status.ERROR, Status.DIED):
+        live = self.task.recovery == "live" and self.rank != 0  # its peers go on without it (dask_ddp.rank.live)
+        if outcome.status == Status.ERROR or outcome.status == Status.DIED and not live:
             self.rule.set_abort()
         if self.rule.reason == ORPHANED and self.rank == 0:
             forget_attempt(self.task)  # no client is left to do it
@@ -163,6 +164,15 @@ class Supervisor:
         if not (self._started and self.child is not None and self.child.alive()):
             return False
         return not self.declined or self.task.checkpoint_dir is not None
+
+    def peer_lost(self, msg) -> None:
+        """Tell a live job's rank (:class:`~dask_ddp.wire.messages.PeerLost`) that peers were lost: it re-forms its
+        group without them. Nothing when the rank has not started or has ended; raises nothing."""
+        if self._started and self.child is not None:
+            try:
+                self.child.send(msg)
+            except OSError:  # the rank has ended
+                pass
 
     def _send_notice(self) -> None:
         try:

@@ -1,0 +1,280 @@
+"""Live recovery inside a rank: a lost peer costs the step in flight, not a restart (``recovery="live"``).
+
+Runs in: the rank process of a job started with ``dispatch.run(..., recovery="live")``.
+
+The training loop runs under :func:`live_steps`::
+
+    for step in dask_ddp.live_steps(total, model=net, optimizer=opt):
+        with step:
+            loss = loss_fn(net(batch_for(step.index, step.rank, step.world_size)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+``net`` is the plain module (no ``DistributedDataParallel`` around it): ``opt.step()`` averages the gradients
+over the ranks of the current group itself (one all-reduce of a flat buffer per dtype), then **commits** the
+step, and applies it only when every rank of the group has reached that point. The commit is a vote in the
+job's rendezvous store (rank 0 hosts it): each rank adds one to the step's count; the rank whose vote completes
+it writes ``commit`` with ``compare_set``, and a rank that knows a member was lost writes ``abort``: the first
+written wins and every rank follows it (a vote that completes after an abort changes nothing). Values are
+signed with the attempt's key (:class:`~dask_ddp.wire.notices.Seal`), as the preemption protocol's.
+
+When a rank's process dies or its worker is lost, the controller sends every survivor a
+:class:`~dask_ddp.wire.messages.PeerLost` (through its supervisor). A survivor in a collective with the dead
+rank gets gloo's error at once; one in the vote sees the loss there. Either way the step's ``with`` block ends
+without applying anything, the survivors agree on the members left (the first proposal in the store wins),
+re-form the process group with them on a fresh store prefix (the same processes, a new group), and run the
+same step again. A failure that is no lost peer (the code raised) is raised as ever.
+
+What this part does not do yet (issue 42): a replacement taking the lost rank's place (the job goes on
+smaller), HSDP/FSDP, the data loader's position, releasing a collective blocked on a hung peer (a cut host:
+gloo's timeout still applies), the loss of rank 0 (its store goes with it: the job falls back to a restart).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Iterator
+
+from dask_ddp.wire.errors import DaskDDPError
+from dask_ddp.wire.notices import Seal
+
+__all__ = ["live_steps", "LiveStep", "LiveRecoveryError", "setup", "peer_lost", "final_world_size"]
+
+KEY = "dask_ddp/live/"
+LOSS_WAIT = 60.0  # seconds a rank whose collective failed waits to hear which peer was lost, before it raises
+
+
+class LiveRecoveryError(DaskDDPError):
+    """Live recovery could not go on (no peer loss was reported for a failed collective, this rank was counted
+    lost, or the store is gone): the job falls back to a restart, as without live recovery."""
+
+
+class _StepAborted(BaseException):
+    """The step's vote ended in ``abort``: a member of the group was lost before every rank voted. A
+    ``BaseException``: a training loop's ``except Exception`` lets it pass to the step."""
+
+
+class _Live:
+    """This rank's live group: the members (original ranks), the generation, the peers known lost."""
+
+    def __init__(self, store, seal: Seal, rank: int, world_size: int, backend: str, timeout: float,
+                 device=None) -> None:
+        self.store, self.seal, self.me, self.backend, self.timeout = store, seal, rank, backend, timeout
+        self.device = device
+        self.members = list(range(world_size))
+        self.gen = 0
+        self.lost: set[int] = set()
+        self.heard = threading.Condition()
+        self.recoveries: list[dict] = []
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    def note_lost(self, ranks, cause: str) -> None:
+        with self.heard:
+            self.lost.update(int(r) for r in ranks)
+            self.heard.notify_all()
+
+    def lost_members(self) -> set[int]:
+        with self.heard:
+            return self.lost & set(self.members)
+
+    # ---- the commit vote --------------------------------------------------------------------------------------
+    def commit(self, index: int) -> bool:
+        """Vote for step ``index``; True: every member voted (commit), False: a member was lost first (abort)."""
+        base = f"{KEY}{self.gen}/{index}/"
+        want = "commit" if int(self.store.add(base + "votes", 1)) >= len(self.members) else None
+        nap, deadline = 0.0002, time.monotonic() + self.timeout
+        while True:
+            if want is None and self.store.check([base + "decided"]):
+                return self._decision(base, None)
+            if want is None and self.lost_members():
+                want = "abort"
+            if want is None and int(self.store.add(base + "votes", 0)) >= len(self.members):
+                want = "commit"
+            if want is not None:
+                return self._decision(base, want)
+            if time.monotonic() > deadline:
+                raise LiveRecoveryError(f"rank {self.me}: the vote of step {index} did not complete within "
+                                        f"{self.timeout:g} s (ddp.timeout), and no peer was reported lost")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+
+    def _decision(self, base: str, want: str | None) -> bool:
+        name = base + "decided"
+        held = (self.store.compare_set(name, "", self.seal.sign(name, want)) if want is not None
+                else self.store.get(name))
+        return self.seal.open(name, held) == "commit"  # a forged decision is no commit: the step runs again
+
+    # ---- re-forming the group ---------------------------------------------------------------------------------
+    def recover(self, index: int, error: BaseException | None) -> None:
+        """After step ``index`` failed: wait to hear which member was lost, agree on the members left, re-form
+        the process group with them. Raises LiveRecoveryError (no loss reported, this rank counted lost)."""
+        import torch.distributed as dist
+
+        started = time.monotonic()
+        with self.heard:
+            self.heard.wait_for(lambda: self.lost & set(self.members), timeout=LOSS_WAIT)
+            lost = self.lost & set(self.members)
+        if not lost:
+            raise LiveRecoveryError(
+                f"rank {self.me}: step {index} failed ({error!r}) and no peer was reported lost within "
+                f"{LOSS_WAIT:g} s: not a loss live recovery can heal") from error
+        name = f"{KEY}{self.gen + 1}/members"
+        proposal = json.dumps([m for m in self.members if m not in lost])
+        held = self.store.compare_set(name, "", self.seal.sign(name, proposal))
+        text = self.seal.open(name, held)
+        members = json.loads(text) if text is not None else None
+        if not members or self.me not in members:
+            raise LiveRecoveryError(f"rank {self.me} is not among the members agreed for generation {self.gen + 1} "
+                                    f"({members}): it was counted lost") from error
+        dist.destroy_process_group()
+        self.gen, self.members = self.gen + 1, members
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{KEY}{self.gen}/pg/", self.store),
+                                rank=self.rank, world_size=len(members), timeout=timedelta(seconds=self.timeout),
+                                device_id=self.device if self.backend == "nccl" and len(members) > 1 else None)
+        self.recoveries.append({"step": index, "lost": sorted(lost), "members": members, "generation": self.gen,
+                                "took": time.monotonic() - started})
+
+
+_LIVE: _Live | None = None
+
+
+def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: float, device=None) -> None:
+    """Make this rank's live group (the rank's main thread, after the rendezvous): ``store`` is the job's store
+    under the attempt's prefix, ``key`` the attempt's signing key. Raises ValueError (a key under 16 bytes)."""
+    global _LIVE
+    import os
+
+    _LIVE = _Live(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device)
+
+
+def peer_lost(ranks, cause: str = "") -> None:
+    """Note that ``ranks`` (original rank numbers) were lost (the listener thread, on a ``PeerLost``); raises
+    nothing. Without live recovery set up, nothing."""
+    if _LIVE is not None:
+        _LIVE.note_lost(ranks, cause)
+
+
+def final_world_size(world_size: int) -> int:
+    """How many ranks end the job together: the live group's members, else ``world_size``."""
+    return len(_LIVE.members) if _LIVE is not None else world_size
+
+
+class LiveStep:
+    """One step of :func:`live_steps`: use it as a context manager around the step's work.
+
+    Attributes: ``index`` (the step number), ``rank`` and ``world_size`` (this rank's place in the current
+    group: they change when a peer is lost), ``attempts`` (how many times this step has run, from 1),
+    ``committed`` (after the block: the step was applied on every rank of the group).
+    """
+
+    def __init__(self, live: _Live, index: int, attempts: int) -> None:
+        self._live, self.index, self.attempts = live, index, attempts
+        self.rank, self.world_size = live.rank, len(live.members)
+        self.committed = False
+        self.voted = False
+
+    def __enter__(self) -> "LiveStep":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None and not self.voted:  # no optimizer step in the block: the vote is here
+            try:
+                self.committed = self._live.commit(self.index)
+            except RuntimeError as err:  # the store or the group failed: a loss decides below
+                exc = err
+        if exc is None and self.committed:
+            return False
+        if exc is not None and not _lost_peer(exc):
+            return False  # the code's own error: raised as ever
+        self.committed = False
+        self._live.recover(self.index, exc)
+        return True
+
+    def __repr__(self) -> str:
+        return f"LiveStep(index={self.index}, rank={self.rank}, world_size={self.world_size})"
+
+
+def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Iterator[LiveStep]:
+    """Steps ``start`` .. ``total - 1`` of a live-recovered loop; a step whose group lost a member runs again.
+
+    ``model``: the plain ``torch.nn.Module`` (not wrapped in ``DistributedDataParallel``); ``optimizer``: its
+    optimizer, whose ``step()`` is taken over for the loop: it averages the gradients over the group, votes, and
+    applies the step only once every member has voted (see the module docstring). After the loop the
+    optimizer's own ``step`` is back.
+
+    Raises
+    ------
+    LiveRecoveryError
+        The job was not started with ``recovery="live"``, or a recovery could not go on (see the class).
+    TypeError
+        ``total`` or ``start`` is not an int.
+    """
+    if isinstance(total, bool) or not isinstance(total, int) or isinstance(start, bool) or not isinstance(start, int):
+        raise TypeError(f"live_steps(total={total!r}, start={start!r}): expected ints")
+    live = _LIVE
+    if live is None:
+        raise LiveRecoveryError("live_steps() runs in a rank of a job started with dispatch.run(..., "
+                                "recovery=\"live\"); this rank has no live group")
+    params = [p for p in model.parameters() if p.requires_grad]
+    own_step, current = optimizer.step, [LiveStep(live, start, 1)]
+
+    def step(*args, **kwargs):
+        s = current[0]
+        _average(params, len(live.members))
+        s.voted = True
+        if not live.commit(s.index):
+            raise _StepAborted()
+        s.committed = True
+        return own_step(*args, **kwargs)
+
+    optimizer.step = step
+    try:
+        index, attempts = start, 1
+        while index < total:
+            current[0] = s = LiveStep(live, index, attempts)
+            yield s
+            if s.committed:
+                index, attempts = index + 1, 1
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                attempts += 1
+    finally:
+        optimizer.step = own_step
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` may come of a lost peer: an aborted vote, or a collective's or the store's error."""
+    if isinstance(exc, _StepAborted):
+        return True
+    if isinstance(exc, LiveRecoveryError) or not isinstance(exc, RuntimeError):
+        return False
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(w in text for w in ("gloo", "Connection", "NCCL", "Socket"))
+
+
+def _average(params: list, world_size: int) -> None:
+    """Average the gradients of ``params`` over the current group: one all-reduce per dtype and device."""
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple, list] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # every rank sends the same buffers, used or not
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in groups.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= world_size
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
