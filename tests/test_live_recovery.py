@@ -4,13 +4,15 @@ Dask worker's); the survivors keep their processes and re-form their group witho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
+import dask
 import pytest
 import torch
-from _cluster import local_client, run, wait_until
+from _cluster import local_client, run
 
 import dask_ddp
 from dask_ddp.wire.errors import PlanError
@@ -18,22 +20,38 @@ from dask_ddp.wire.errors import PlanError
 STEPS = 24
 
 
-def train_live(steps: int, kill_rank: int, kill_at: int, when: str, worker_pid_file: str | None = None):
+def train_live(steps: int, kill_rank: int, kill_at: int, when: str, once: str | None = None):
     ctx = dask_ddp.get_context()
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)  # state the replacement must get
     runs, pid = [], os.getpid()
     for step in dask_ddp.live_steps(steps, model=net, optimizer=opt):
         with step:
             runs.append((step.index, step.rank, step.world_size, time.monotonic()))
             mine = ctx.rank == kill_rank and step.index == kill_at
-            if mine and when == "worker":
-                os.kill(os.getppid() if worker_pid_file is None else int(open(worker_pid_file).read()),
-                        signal.SIGKILL)
-                time.sleep(30)  # the worker's death ends this process (it dies with its parent)
+            if mine and once is not None:  # a replacement runs this code too: it must not kill itself again
+                mine = not os.path.exists(once)
+                open(once, "w").close()
+            if mine and when == "worker":  # the Dask worker: the process listening on its address (a rank's
+                import psutil  # parent is its zygote)
+
+                port = int(ctx.worker.rsplit(":", 1)[1])
+                os.kill(next(c.pid for c in psutil.net_connections(kind="tcp")
+                             if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid), signal.SIGKILL)
+                time.sleep(30)  # its rank goes with it (the supervisor's pipe closes)
             if mine and when == "before":
                 os.kill(pid, signal.SIGKILL)
+            if mine and when == "hang":  # a host cut off: the worker and the rank stop, no FIN ever comes
+                import psutil
+
+                port = int(ctx.worker.rsplit(":", 1)[1])
+                worker = next(c.pid for c in psutil.net_connections(kind="tcp")
+                              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
+                with open(once + ".pids", "w") as f:
+                    f.write(f"{worker} {pid}")
+                os.kill(worker, signal.SIGSTOP)
+                os.kill(pid, signal.SIGSTOP)
             g = torch.Generator().manual_seed(1000 * step.index + step.rank)
             x = torch.randn(16, 8, generator=g)
             loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
@@ -69,9 +87,10 @@ def _check(out, history, kill_at, when):
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_rank_killed_mid_job_costs_its_peers_one_step(when):
     """SIGKILL of rank 2's process at step 10, before its gradients are in (its peers' all-reduce fails) or
-    after its vote (the step commits everywhere; the next one fails): ranks 0 and 1 keep their PIDs, redo at most
-    one step, re-form a group of 2 and finish with equal parameters."""
-    with local_client(3) as client:
+    after its vote (the step commits everywhere; the next one fails), with no replacement (ddp.live.replace
+    off): ranks 0 and 1 keep their PIDs, redo at most one step, re-form a group of 2 and finish with equal
+    parameters."""
+    with local_client(3) as client, dask.config.set({"ddp.live.replace": False}):
         started = time.monotonic()
         job = run(client, train_live, STEPS, 2, 10, when, recovery="live", max_restarts=0)
         out = job.result(timeout=180)
@@ -82,13 +101,58 @@ def test_a_rank_killed_mid_job_costs_its_peers_one_step(when):
         assert job.state == "FINISHED"
 
 
-def test_a_dask_worker_killed_mid_job_costs_its_peers_one_step(tmp_path):
-    """SIGKILL of rank 2's Dask worker process (its rank dies with it): the controller sees the worker lost and
-    the two survivors go on, as for a rank's own death."""
-    with local_client(3) as client:
-        job = run(client, train_live, STEPS, 2, 10, "worker", recovery="live")
+@pytest.mark.parametrize("when", ["before", "worker"])
+def test_a_replacement_heals_from_the_survivors_memory_and_the_result_is_bitwise_the_same(tmp_path, when):
+    """3 ranks on a cluster of 4 workers: rank 2 killed at step 10 (its process, or its Dask worker) is replaced
+    at once on the free worker, which takes the model, optimizer (momentum) and step from the survivors' memory
+    (no storage: the job has no checkpoint_dir); the job ends at its full size with parameters bitwise equal to
+    a run without the fault."""
+    with local_client(4) as client:
+        clean = run(client, train_live, STEPS, 9, 0, "none", workers=3, recovery="live").result(timeout=180)
+        job = run(client, train_live, STEPS, 2, 10, when, str(tmp_path / "killed"), workers=3, recovery="live")
         out = job.result(timeout=180)
-        _check(out, job.history, 10, "worker")
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert [o["rank"] for o in out] == [0, 1, 2]
+        assert any("its replacement starts on" in h for h in history), history
+        for o in out[:2]:
+            assert o["pids"][0] == o["pids"][1]
+            indices = [i for i, *_ in o["runs"]]
+            assert len(indices) - STEPS <= 1 and sorted(set(indices)) == list(range(STEPS)), indices
+            assert {w for *_, w, _ in o["runs"]} == {3}  # never smaller: the survivors waited for the replacement
+            redo = [t for i, _, _, t in o["runs"] if i == 10]
+            print(f"rank {o['rank']}: the failed step begun to its redo begun (replacement started and healed): "
+                  f"{redo[-1] - redo[0]:.2f} s")
+        joined = [i for i, *_ in out[2]["runs"]]
+        assert joined == list(range(10, STEPS)), joined  # the replacement started at the step that failed
+        assert out[2]["pids"][0] not in (out[0]["pids"][0], out[1]["pids"][0])
+        for a, b in zip(out, clean):
+            assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+
+
+def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path):
+    """Rank 2 and its Dask worker stopped (SIGSTOP: a host cut off, no FIN) at step 10 while ranks 0 and 1 wait in
+    the gradients' all-reduce: the worker's silence (ddp.worker-timeout, 6 s) makes it lost, and the survivors
+    shut down their connections to their peers and go on as a group of 2, long before gloo's timeout (300 s
+    here, 30 min by default)."""
+    once = str(tmp_path / "stopped")
+    with local_client(3) as client, dask.config.set({"ddp.live.replace": False}):
+        try:
+            job = run(client, train_live, STEPS, 2, 10, "hang", once, recovery="live", timeout=300)
+            out = job.result(timeout=120)
+        finally:
+            if os.path.exists(once + ".pids"):
+                for pid in map(int, open(once + ".pids").read().split()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert any("was lost: live recovery" in h for h in history), history
+        _check(out, job.history, 10, "hang")
+        for o in out:
+            stalled = [t for i, _, _, t in o["runs"] if i == 10]
+            print(f"rank {o['rank']}: the hung step begun to its redo begun: {stalled[-1] - stalled[0]:.1f} s")
+            assert stalled[-1] - stalled[0] < 60, "released by a timeout, not by the recovery"
 
 
 def test_recovery_is_checked():
@@ -100,3 +164,4 @@ def test_recovery_is_checked():
 def test_live_steps_outside_a_live_job_says_how_to_start_one():
     with pytest.raises(dask_ddp.LiveRecoveryError, match='recovery="live"'):
         next(dask_ddp.live_steps(3, model=torch.nn.Linear(1, 1), optimizer=None))
+

@@ -25,6 +25,7 @@ class Attempt:
         self.stalled: StallError | None = None
         self.queue_checked = False
         self.recovered: set[int] = set()  # ranks a live-recovered job went on without (client.live)
+        self.joins = 0  # ranks a live-recovered job started into this attempt in the place of lost ones
 
     def ended(self) -> bool:
         return len(self.outcomes) == len(self.tasks)

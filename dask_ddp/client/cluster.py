@@ -161,13 +161,14 @@ class DaskCluster:
             logger.warning("dask-ddp could not ask the ranks of %s to stop (%s)", task.attempt_id, kind,
                            exc_info=True)
 
-    def peer_lost(self, task: RankTask, addresses: list[str], ranks: list[int], cause: str) -> None:
+    def peer_lost(self, task: RankTask, addresses: list[str], ranks: list[int], cause: str,
+                  replaced: list = ()) -> None:
         """Tell the ranks of ``task``'s attempt on ``addresses`` that ``ranks`` were lost (a live job's survivors
-        re-form their group without them)."""
+        re-form their group without them, or with the replacements ``replaced``: ``(rank, n)`` pairs)."""
         from dask_ddp.worker.live import tell_peer_lost
 
         try:
-            tell_peer_lost(self.client, task.attempt_id, addresses, ranks, cause)
+            tell_peer_lost(self.client, task.attempt_id, addresses, ranks, cause, replaced)
         except Exception:  # noqa: BLE001 - the scheduler is gone: the ranks fail their collectives, the job restarts
             logger.warning("dask-ddp could not tell the ranks of %s that ranks %s were lost", task.attempt_id, ranks,
                            exc_info=True)

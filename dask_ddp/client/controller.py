@@ -228,7 +228,7 @@ class Controller:
                     continue
             att.outcomes[r.rank] = outcome
             if outcome.failed and live_recovery.recoverable(self.spec, att, outcome):
-                self.record.note(live_recovery.tell(self.cluster, att, outcome))
+                self.record.note(live_recovery.tell(self.cluster, att, outcome, self._usable_workers()))
             elif outcome.failed:
                 self._abort(outcome.message or f"rank {r.rank} failed")
         self._check_stall(att)

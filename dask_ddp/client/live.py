@@ -5,12 +5,20 @@ rank side, where the survivors re-form their group, is :mod:`dask_ddp.rank.live`
 
 A rank is recovered live when its process died or its worker was lost (a failure of the code is not: it is
 raised, or restarts the job, as ever), it is not rank 0 (whose process hosts the job's store: its loss restarts
-the job), and at least ``min`` ranks still run (``workers=(min, max)``, else 1). The survivors then get a
-:class:`~dask_ddp.wire.messages.PeerLost` through their supervisors, and the attempt goes on; its result is the
-values of the ranks that finished it.
+the job), and at least ``min`` ranks still run (``workers=(min, max)``, else 1). A free worker (one the job does
+not use, else the lost rank's own when only its process died) gets a replacement rank at once, started into the
+running attempt (``RankTask.joined``; ``ddp.live.replace``, at most ``ddp.live.max-replacements`` an attempt).
+The survivors get a :class:`~dask_ddp.wire.messages.PeerLost` through their supervisors, wait for the
+replacement and heal it from their memory; with no free worker they go on without it. The attempt's result is
+the values of the ranks that finished it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+import dask
 
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.wire import plan as planning
@@ -31,14 +39,43 @@ def recoverable(spec: LaunchSpec, att: Attempt, outcome: RankOutcome) -> bool:
     return len(left) >= (bounds[0] if bounds else 1)
 
 
-def tell(cluster, att: Attempt, outcome: RankOutcome) -> str:
-    """Count ``outcome``'s rank recovered, tell the ranks still running, and return ``job.history``'s line."""
+def tell(cluster, att: Attempt, outcome: RankOutcome, usable: Mapping[str, dict]) -> str:
+    """Count ``outcome``'s rank recovered, start its replacement on a free worker of ``usable`` (the workers a
+    plan may use) if there is one, tell the ranks still running, and return ``job.history``'s line."""
     att.recovered.add(outcome.rank)
     left = [r for r in att.plan.ranks if r.rank not in att.outcomes]
     why = f"rank {outcome.rank} on {outcome.worker} {'was lost' if outcome.status == Status.LOST else 'died'}"
-    cluster.peer_lost(att.tasks[0], [r.address for r in left], sorted(att.recovered), why)
-    return (f"{why}: live recovery, {len(left)} ranks go on in their processes "
-            f"(ranks {', '.join(str(r.rank) for r in left)})")
+    cfg = dask.config.get("ddp.live")
+    spare = _spare(att, outcome, usable) if cfg["replace"] and att.joins < cfg["max-replacements"] else None
+    replaced = [(outcome.rank, _replace(cluster, att, outcome.rank, spare, usable[spare]))] if spare else []
+    cluster.peer_lost(att.tasks[0], [r.address for r in left], [outcome.rank], why, replaced)
+    then = (f"its replacement starts on {spare} and heals from their memory" if spare else
+            f"{len(left)} ranks go on (ranks {', '.join(str(r.rank) for r in left)})")
+    return f"{why}: live recovery, the survivors keep their processes; {then}"
+
+
+def _spare(att: Attempt, outcome: RankOutcome, usable: Mapping[str, dict]) -> str | None:
+    """A worker to start the replacement on: one the job does not use, else the lost rank's own (its process
+    died, its worker lives); None: none is free."""
+    busy = {r.address for r in att.plan.ranks if r.rank not in att.outcomes}
+    free = [a for a in usable if a not in busy]
+    outside = [a for a in free if a not in att.plan.addresses]
+    return (outside or [a for a in free if a == outcome.worker] or [None])[0]
+
+
+def _replace(cluster, att: Attempt, rank: int, address: str, info: Mapping) -> int:
+    """Start rank ``rank`` again on ``address`` in the running attempt (``RankTask.joined``: the n-th so started);
+    its task, future and place in the plan replace the lost one's. Returns n."""
+    att.joins += 1
+    old = att.tasks[rank]
+    spec = replace(old.rank, address=address, host=info.get("host") or planning.parse_address(address)[0],
+                   name=str(info.get("name", address)))
+    task = replace(old, rank=spec, joined=att.joins, via=None)  # no hub: the lost worker may have been it
+    att.tasks[rank], att.futures[rank] = task, cluster.submit([task])[0]
+    att.plan = replace(att.plan, ranks=tuple(spec if r.rank == rank else r for r in att.plan.ranks))
+    att.outcomes.pop(rank, None)
+    att.recovered.discard(rank)
+    return att.joins
 
 
 def settled(att: Attempt) -> dict[int, RankOutcome]:

@@ -26,14 +26,27 @@ without applying anything, the survivors agree on the members left (the first pr
 re-form the process group with them on a fresh store prefix (the same processes, a new group), and run the
 same step again. A failure that is no lost peer (the code raised) is raised as ever.
 
-What this part does not do yet (issue 42): a replacement taking the lost rank's place (the job goes on
-smaller), HSDP/FSDP, the data loader's position, releasing a collective blocked on a hung peer (a cut host:
-gloo's timeout still applies), the loss of rank 0 (its store goes with it: the job falls back to a restart).
+When the controller found a free worker, it starts a replacement there at once (the lost rank's number, its
+task marked ``joined``) and says so in the ``PeerLost``: the survivors then re-form the group with it instead
+of without it, invite it through the store (signed), and every member takes the model's parameters and buffers
+(in place), the optimizer's state and the step from one survivor over the new group (broadcasts; the optimizer
+state as ``torch.save`` bytes, read back with ``weights_only=True``): the job goes on at its full size, at the
+step that failed, and the replacement's code starts its loop there.
+
+A peer that hangs or is cut off (a stopped process, a host off the network) sends no FIN: a survivor blocked in
+the gradients' all-reduce would wait for gloo's timeout. When the loss is heard while the rank is in that
+collective, it shuts down its own connections to its peers (every TCP connection of the process but the
+store's) 0.2 s later: the collective fails at once and the recovery goes on.
+
+What this part does not do yet (issue 42): HSDP/FSDP, the data loader's position, growing back when a worker
+joins later, the loss of rank 0 (its store goes with it: the job falls back to a restart), a collective of the
+user's own blocked on a hung peer (only live_steps' own are released).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from datetime import timedelta
@@ -46,6 +59,7 @@ __all__ = ["live_steps", "LiveStep", "LiveRecoveryError", "setup", "peer_lost", 
 
 KEY = "dask_ddp/live/"
 LOSS_WAIT = 60.0  # seconds a rank whose collective failed waits to hear which peer was lost, before it raises
+RELEASE_AFTER = 0.2  # seconds after a loss is heard until a collective still blocked is released (its sockets shut)
 
 
 class LiveRecoveryError(DaskDDPError):
@@ -62,23 +76,52 @@ class _Live:
     """This rank's live group: the members (original ranks), the generation, the peers known lost."""
 
     def __init__(self, store, seal: Seal, rank: int, world_size: int, backend: str, timeout: float,
-                 device=None) -> None:
+                 device=None, joining: int = 0) -> None:
         self.store, self.seal, self.me, self.backend, self.timeout = store, seal, rank, backend, timeout
-        self.device = device
+        self.device, self.joining = device, joining
         self.members = list(range(world_size))
         self.gen = 0
         self.lost: set[int] = set()
+        self.replacing: dict[int, int] = {}  # lost rank -> n of the replacement starting (RankTask.joined)
         self.heard = threading.Condition()
         self.recoveries: list[dict] = []
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
 
     @property
     def rank(self) -> int:
         return self.members.index(self.me)
 
-    def note_lost(self, ranks, cause: str) -> None:
+    def note_lost(self, ranks, cause: str, replaced=()) -> None:
         with self.heard:
             self.lost.update(int(r) for r in ranks)
+            self.replacing.update((int(r), int(n)) for r, n in replaced)
             self.heard.notify_all()
+        if self.collective % 2:  # maybe blocked on a peer that never answers (hung, cut off): release it soon
+            timer = threading.Timer(RELEASE_AFTER, self._release, (self.collective,))
+            timer.daemon = True
+            timer.start()
+
+    def _release(self, seen: int) -> None:
+        """Still in the collective the loss found the main thread in: shut down this process's connections to
+        its peers (every TCP connection but the store's: gloo's), so that the collective fails at once instead
+        of at gloo's timeout. What dies with them is this group only, which the recovery replaces."""
+        if self.collective != seen:  # that collective ended meanwhile
+            return
+        import socket
+
+        import psutil
+
+        store = int(os.environ.get("MASTER_PORT", "0"))
+        for c in psutil.Process().net_connections(kind="tcp"):
+            if c.status != psutil.CONN_ESTABLISHED or not c.raddr or store in (c.laddr.port, c.raddr.port):
+                continue
+            try:
+                with socket.socket(fileno=os.dup(c.fd)) as sock:  # the dup shares the connection: gloo sees EOF
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def lost_members(self) -> set[int]:
         with self.heard:
@@ -113,52 +156,117 @@ class _Live:
 
     # ---- re-forming the group ---------------------------------------------------------------------------------
     def recover(self, index: int, error: BaseException | None) -> None:
-        """After step ``index`` failed: wait to hear which member was lost, agree on the members left, re-form
-        the process group with them. Raises LiveRecoveryError (no loss reported, this rank counted lost)."""
-        import torch.distributed as dist
-
+        """After step ``index`` failed: wait to hear which member was lost, agree on the members left (with the
+        replacements that are starting), re-form the process group with them, and heal the replacements from
+        memory. Raises LiveRecoveryError (no loss reported, this rank counted lost)."""
         started = time.monotonic()
         with self.heard:
             self.heard.wait_for(lambda: self.lost & set(self.members), timeout=LOSS_WAIT)
             lost = self.lost & set(self.members)
+            joiners = {r: n for r, n in self.replacing.items() if r in lost}
         if not lost:
             raise LiveRecoveryError(
                 f"rank {self.me}: step {index} failed ({error!r}) and no peer was reported lost within "
                 f"{LOSS_WAIT:g} s: not a loss live recovery can heal") from error
         name = f"{KEY}{self.gen + 1}/members"
-        proposal = json.dumps([m for m in self.members if m not in lost])
-        held = self.store.compare_set(name, "", self.seal.sign(name, proposal))
-        text = self.seal.open(name, held)
-        members = json.loads(text) if text is not None else None
-        if not members or self.me not in members:
+        members = sorted((set(self.members) - lost) | set(joiners))
+        proposal = json.dumps({"members": members, "joiners": {str(r): n for r, n in joiners.items()}})
+        text = self.seal.open(name, self.store.compare_set(name, "", self.seal.sign(name, proposal)))
+        agreed = json.loads(text) if text is not None else {}
+        members, joiners = agreed.get("members") or [], {int(r): n for r, n in agreed.get("joiners", {}).items()}
+        if self.me not in members:
             raise LiveRecoveryError(f"rank {self.me} is not among the members agreed for generation {self.gen + 1} "
-                                    f"({members}): it was counted lost") from error
-        dist.destroy_process_group()
-        self.gen, self.members = self.gen + 1, members
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{KEY}{self.gen}/pg/", self.store),
+                                    f"({members or 'none: a forged proposal'}): it was counted lost") from error
+        source = next(m for m in members if m not in joiners)
+        for r, n in joiners.items():  # where each replacement learns its group (the same value from every rank)
+            invite = f"{KEY}invite/{n}"
+            self.store.set(invite, self.seal.sign(invite, json.dumps({"gen": self.gen + 1, "members": members,
+                                                                     "source": source})))
+        self._form(self.gen + 1, members)
+        if joiners:
+            self._sync(index, source)
+        with self.heard:
+            self.lost -= set(joiners)
+            for r in joiners:
+                self.replacing.pop(r, None)
+        self.recoveries.append({"step": index, "lost": sorted(lost), "members": members, "generation": self.gen,
+                                "healed": sorted(joiners), "took": time.monotonic() - started})
+
+    def join(self) -> int:
+        """A replacement's start: wait for its invitation, join the survivors' group, take the model, optimizer
+        and step from their memory; returns the step to run. Raises LiveRecoveryError (no invitation in time)."""
+        name, deadline = f"{KEY}invite/{self.joining}", time.monotonic() + self.timeout
+        while not self.store.check([name]):
+            if time.monotonic() > deadline:
+                raise LiveRecoveryError(f"rank {self.me} (a replacement) was not invited into the job's group within "
+                                        f"{self.timeout:g} s (ddp.timeout)")
+            time.sleep(0.01)
+        text = self.seal.open(name, self.store.get(name))
+        if text is None:
+            raise LiveRecoveryError(f"rank {self.me} (a replacement): its invitation in the store is forged")
+        invite = json.loads(text)
+        self._form(invite["gen"], invite["members"], fresh=True)
+        self.joining = 0
+        return self._sync(None, invite["source"])
+
+    def _form(self, gen: int, members: list[int], fresh: bool = False) -> None:
+        import torch.distributed as dist
+
+        if not fresh:
+            dist.destroy_process_group()
+        self.gen, self.members = gen, members
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{KEY}{gen}/pg/", self.store),
                                 rank=self.rank, world_size=len(members), timeout=timedelta(seconds=self.timeout),
                                 device_id=self.device if self.backend == "nccl" and len(members) > 1 else None)
-        self.recoveries.append({"step": index, "lost": sorted(lost), "members": members, "generation": self.gen,
-                                "took": time.monotonic() - started})
+
+    def _sync(self, index: int | None, source: int) -> int:
+        """Every member takes the model's parameters and buffers (in place), the optimizer's state and the step
+        from ``source`` (an original rank) over the group; returns the step."""
+        import io
+
+        import torch
+        import torch.distributed as dist
+
+        src, model, opt = self.members.index(source), self.model, self.optimizer
+        tensors = [*model.parameters(), *model.buffers()]
+        dev = tensors[0].device if self.backend == "nccl" and tensors else torch.device("cpu")
+        head = torch.tensor([-1 if index is None else index, 0], dtype=torch.int64, device=dev)
+        blob = b""
+        if self.me == source:
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            blob = buf.getvalue()
+            head[1] = len(blob)
+        dist.broadcast(head, src)
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t, src)
+        data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev) if self.me == source
+                else torch.empty(int(head[1]), dtype=torch.uint8, device=dev))
+        dist.broadcast(data, src)
+        if index is None:  # the replacement: a state its code never had
+            opt.load_state_dict(torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True))
+        return int(head[0])
 
 
 _LIVE: _Live | None = None
 
 
-def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: float, device=None) -> None:
+def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: float, device=None,
+          joining: int = 0) -> None:
     """Make this rank's live group (the rank's main thread, after the rendezvous): ``store`` is the job's store
-    under the attempt's prefix, ``key`` the attempt's signing key. Raises ValueError (a key under 16 bytes)."""
+    under the attempt's prefix, ``key`` the attempt's signing key; ``joining``: this rank replaces a lost one
+    (``RankTask.joined``), it joins the survivors' group in :func:`live_steps`. Raises ValueError (a key under
+    16 bytes)."""
     global _LIVE
-    import os
-
-    _LIVE = _Live(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device)
+    _LIVE = _Live(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device, joining)
 
 
-def peer_lost(ranks, cause: str = "") -> None:
-    """Note that ``ranks`` (original rank numbers) were lost (the listener thread, on a ``PeerLost``); raises
-    nothing. Without live recovery set up, nothing."""
+def peer_lost(ranks, cause: str = "", replaced=()) -> None:
+    """Note that ``ranks`` (original rank numbers) were lost, and which have replacements starting (``(rank,
+    n)`` pairs) (the listener thread, on a ``PeerLost``); raises nothing. Without live recovery set up, nothing."""
     if _LIVE is not None:
-        _LIVE.note_lost(ranks, cause)
+        _LIVE.note_lost(ranks, cause, replaced)
 
 
 def final_world_size(world_size: int) -> int:
@@ -223,11 +331,20 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
         raise LiveRecoveryError("live_steps() runs in a rank of a job started with dispatch.run(..., "
                                 "recovery=\"live\"); this rank has no live group")
     params = [p for p in model.parameters() if p.requires_grad]
+    live.model, live.optimizer = model, optimizer
+    if live.joining:  # a replacement: the step, model and optimizer come from the survivors' memory
+        start = live.join()
     own_step, current = optimizer.step, [LiveStep(live, start, 1)]
 
     def step(*args, **kwargs):
         s = current[0]
-        _average(params, len(live.members))
+        if live.lost_members():  # a member is known lost: its collective would fail or hang
+            raise _StepAborted()
+        live.collective += 1
+        try:
+            _average(params, len(live.members))
+        finally:
+            live.collective += 1
         s.voted = True
         if not live.commit(s.index):
             raise _StepAborted()

@@ -68,16 +68,18 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
                                                 spec.local_rank, spec.local_world_size)
     if sampler is not None:
         sampler.device = device
-    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
-                            timeout=timedelta(seconds=task.timeout),
-                            # nccl across ranks: its communicator made now, on the rank's GPU (a failure shows
-                            # here, named); alone, at its first collective, if any (0.3-0.4 s on an H200)
-                            device_id=device if backend == "nccl" and spec.world_size > 1 else None)
+    if not task.joined:  # a live job's replacement joins the survivors' group instead (dask_ddp.rank.live)
+        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                timeout=timedelta(seconds=task.timeout),
+                                # nccl across ranks: its communicator made now, on the rank's GPU (a failure
+                                # shows here, named); alone, at its first collective, if any (0.3-0.4 s on an H200)
+                                device_id=device if backend == "nccl" and spec.world_size > 1 else None)
     if backend == "nccl" and spec.world_size == 1:  # its GPU is the current device (devices.place set it)
         warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
     join(keys, spec.world_size)
     if task.recovery == "live":
-        live.setup(keys, task.signing_key, spec.rank, spec.world_size, backend, task.timeout, device)
+        live.setup(keys, task.signing_key, spec.rank, spec.world_size, backend, task.timeout, device,
+                   joining=task.joined)
     preemption.start(keys, task.master_addr, int(os.environ["MASTER_PORT"]), spec.rank, spec.world_size, send,
                      preemption.grace_period(), spec.address, prefix=task.store_prefix, ending=ending,
                      key=task.signing_key, attempt=task.attempt)

@@ -126,6 +126,8 @@ class PeerLost:
 
     ranks: tuple[int, ...]
     cause: str = ""
+    # (rank, n) of those of ``ranks`` whose replacements are starting (``RankTask.joined`` n): the group waits for them
+    replaced: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ class RankTask:
     # "live": a lost rank's peers go on without it in their processes (dask_ddp.rank.live); "restart": every fault
     # restarts the job (the default)
     recovery: str = "restart"
+    # 0: a rank started with its attempt; n: the n-th rank a live job started into its running attempt, in the
+    # place of a lost one: it joins the survivors' group (dask_ddp.rank.live) instead of the first rendezvous
+    joined: int = 0
     # the attempt's store keys live under dask_ddp/<secret>/ (see :attr:`store_prefix`): it keeps attempts and
     # other users of a store apart, but it is no secret from whoever reaches the store (TCPStore.list_keys()
     # lists every key); what keeps a preemption notice from being forged is signing_key
@@ -94,13 +97,13 @@ class RankTask:
     @property
     def key(self) -> str:
         """The Dask key of the rank's task."""
-        return f"dask-ddp-{self.attempt_id}-rank{self.rank.rank}"
+        return f"dask-ddp-{self.attempt_id}-rank{self.rank.rank}" + (f"-j{self.joined}" if self.joined else "")
 
     @property
     def token(self) -> str:
         """Marks every process of this rank (``DASK_DDP_RANK_TOKEN`` in its environment, inherited by
         whatever it starts): how the supervisor finds the helpers that left the rank's session."""
-        return f"{self.attempt_id}/{self.rank.rank}"
+        return f"{self.attempt_id}/{self.rank.rank}" + (f"/j{self.joined}" if self.joined else "")
 
     @property
     def env(self) -> dict[str, str]:

@@ -14,16 +14,19 @@ __all__ = ["tell_peer_lost"]
 RANK_HOST = "dask-ddp"  # the name of the workers' RankHost plugin (dask_ddp.worker.plugin)
 
 
-async def _tell_here(attempt_id: str, ranks: list[int], cause: str, dask_worker=None) -> int:
+async def _tell_here(attempt_id: str, ranks: list[int], cause: str, replaced: list, dask_worker=None) -> int:
     host = dask_worker.plugins.get(RANK_HOST)
     sups = host.running(attempt_id) if host is not None else []
     for sup in sups:
-        sup.peer_lost(PeerLost(tuple(ranks), cause))
+        sup.peer_lost(PeerLost(tuple(ranks), cause, tuple((int(r), int(n)) for r, n in replaced)))
     return len(sups)
 
 
-def tell_peer_lost(client, attempt_id: str, addresses: list[str], ranks: list[int], cause: str) -> None:
-    """From the client: tell every rank of ``attempt_id`` on ``addresses`` that ``ranks`` were lost (a worker
-    that does not answer is skipped: it is being lost too). Raises what ``client.run`` raises when the
-    scheduler cannot be reached."""
-    client.run(_tell_here, attempt_id, list(ranks), cause, workers=list(addresses), on_error="ignore")
+def tell_peer_lost(client, attempt_id: str, addresses: list[str], ranks: list[int], cause: str,
+                   replaced: list = ()) -> None:
+    """From the client: tell every rank of ``attempt_id`` on ``addresses`` that ``ranks`` were lost, and which of
+    them have replacements starting (``(rank, n)``: the n-th rank started into the attempt). A worker that does
+    not answer is skipped: it is being lost too. Raises what ``client.run`` raises when the scheduler cannot be
+    reached."""
+    client.run(_tell_here, attempt_id, list(ranks), cause, list(replaced), workers=list(addresses),
+               on_error="ignore")
