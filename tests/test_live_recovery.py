@@ -20,8 +20,12 @@ from dask_ddp.wire.errors import PlanError
 STEPS = 24
 
 
-def train_live(steps: int, kill_rank: int, kill_at: int, when: str, once: str | None = None):
+def train_live(steps: int, kill_rank, kill_at: int, when: str, once: str | None = None,
+               die_joining: str | None = None):
     ctx = dask_ddp.get_context()
+    if die_joining and once and os.path.exists(once) and not os.path.exists(die_joining):  # the first replacement
+        open(die_joining, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # dies while the survivors wait for it to join
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)  # state the replacement must get
@@ -29,9 +33,10 @@ def train_live(steps: int, kill_rank: int, kill_at: int, when: str, once: str | 
     for step in dask_ddp.live_steps(steps, model=net, optimizer=opt):
         with step:
             runs.append((step.index, step.rank, step.world_size, time.monotonic()))
-            mine = ctx.rank == kill_rank and step.index == kill_at
+            mine = ctx.rank in (kill_rank if isinstance(kill_rank, tuple) else (kill_rank,)) and step.index == kill_at
             if mine and once is not None:  # a replacement runs this code too: it must not kill itself again
-                mine = not os.path.exists(once)
+                mine = not os.path.exists(f"{once}.{ctx.rank}")
+                open(f"{once}.{ctx.rank}", "w").close()
                 open(once, "w").close()
             if mine and when == "worker":  # the Dask worker: the process listening on its address (a rank's
                 import psutil  # parent is its zygote)
@@ -66,7 +71,7 @@ def train_live(steps: int, kill_rank: int, kill_at: int, when: str, once: str | 
             "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
 
 
-def _check(out, history, kill_at, when):
+def _check(out, history, kill_at, when, world=(3, 2)):
     assert [o["rank"] for o in out] == [0, 1], out  # the values of the ranks that finished
     for o in out:
         assert o["pids"][0] == o["pids"][1]
@@ -74,12 +79,12 @@ def _check(out, history, kill_at, when):
         assert sorted(set(indices)) == list(range(STEPS)), indices  # every step committed
         redone = len(indices) - STEPS
         assert redone <= 1, f"rank {o['rank']} redid {redone} steps: {indices}"
-        assert {w for i, _, w, _ in o["runs"] if i > kill_at + 1} == {2}  # the group of the 2 survivors
-        assert {w for i, _, w, _ in o["runs"] if i < kill_at} == {3}
-        last3 = max(t for _, _, w, t in o["runs"] if w == 3)
-        first2 = min(t for _, _, w, t in o["runs"] if w == 2)
-        print(f"rank {o['rank']}: {redone} step(s) redone; the last step begun in the group of 3 to the first in "
-              f"the group of 2: {first2 - last3:.2f} s")
+        assert {w for i, _, w, _ in o["runs"] if i > kill_at + 1} == {world[1]}  # the group of the survivors
+        assert {w for i, _, w, _ in o["runs"] if i < kill_at} == {world[0]}
+        last3 = max(t for _, _, w, t in o["runs"] if w == world[0])
+        first2 = min(t for _, _, w, t in o["runs"] if w == world[1])
+        print(f"rank {o['rank']}: {redone} step(s) redone; the last step begun in the group of {world[0]} to the "
+              f"first in the group of {world[1]}: {first2 - last3:.2f} s")
     assert torch.equal(out[0]["params"], out[1]["params"]), "the survivors' parameters differ"
     assert any("live recovery" in cause for *_, cause in history), history
 
@@ -92,7 +97,7 @@ def test_a_rank_killed_mid_job_costs_its_peers_one_step(when):
     parameters."""
     with local_client(3) as client, dask.config.set({"ddp.live.replace": False}):
         started = time.monotonic()
-        job = run(client, train_live, STEPS, 2, 10, when, recovery="live", max_restarts=0)
+        job = run(client, train_live, STEPS, 2, 10, when, recovery="live", stall_timeout=60)
         out = job.result(timeout=180)
         took = time.monotonic() - started
         history = job.history
@@ -109,7 +114,8 @@ def test_a_replacement_heals_from_the_survivors_memory_and_the_result_is_bitwise
     a run without the fault."""
     with local_client(4) as client:
         clean = run(client, train_live, STEPS, 9, 0, "none", workers=3, recovery="live").result(timeout=180)
-        job = run(client, train_live, STEPS, 2, 10, when, str(tmp_path / "killed"), workers=3, recovery="live")
+        job = run(client, train_live, STEPS, 2, 10, when, str(tmp_path / "killed"), workers=3, recovery="live",
+                  stall_timeout=60)
         out = job.result(timeout=180)
         history = [h[-1] for h in job.history]
         print(history)
@@ -138,7 +144,7 @@ def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path):
     once = str(tmp_path / "stopped")
     with local_client(3) as client, dask.config.set({"ddp.live.replace": False}):
         try:
-            job = run(client, train_live, STEPS, 2, 10, "hang", once, recovery="live", timeout=300)
+            job = run(client, train_live, STEPS, 2, 10, "hang", once, recovery="live", timeout=300, stall_timeout=60)
             out = job.result(timeout=120)
         finally:
             if os.path.exists(once + ".pids"):
@@ -153,6 +159,49 @@ def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path):
             stalled = [t for i, _, _, t in o["runs"] if i == 10]
             print(f"rank {o['rank']}: the hung step begun to its redo begun: {stalled[-1] - stalled[0]:.1f} s")
             assert stalled[-1] - stalled[0] < 60, "released by a timeout, not by the recovery"
+
+
+def test_two_ranks_lost_at_once_leave_a_group_of_two():
+    """Ranks 2 and 3 of 4 SIGKILLed at the same step, no replacement: their losses reach the survivors one after
+    the other, a group formed with the first alone is given up when the second is heard (its member never checks
+    in), and ranks 0 and 1 go on as a group of 2, one step redone."""
+    with local_client(4) as client, dask.config.set({"ddp.live.replace": False}):
+        job = run(client, train_live, STEPS, (2, 3), 10, "before", recovery="live", stall_timeout=60)
+        out = job.result(timeout=180)
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert sum("live recovery" in h for h in history) == 2, history
+        _check(out, job.history, 10, "before", world=(4, 2))
+
+
+def test_rank_0_lost_falls_back_to_a_restart_and_says_why(tmp_path):
+    """Rank 0 hosts the job's store: its loss ends the attempt, job.history says why live recovery could not go
+    on, and the restart (max_restarts=1) finishes the job."""
+    with local_client(3) as client:
+        job = run(client, train_live, STEPS, 0, 10, "before", str(tmp_path / "killed"), recovery="live",
+                  max_restarts=1, stall_timeout=60)
+        out = job.result(timeout=180)
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert any("no live recovery (rank 0's process hosts the job's store)" in h for h in history), history
+        assert job.attempt.index == 1 and [o["rank"] for o in out] == [0, 1, 2]
+
+
+def test_a_replacement_lost_while_it_joins_is_replaced_again(tmp_path):
+    """Rank 2 killed at step 10; its replacement dies before it joins (the survivors wait for it to check in):
+    that group is given up, a second replacement heals from the survivors' memory, and the job ends bitwise as a
+    run without the faults."""
+    with local_client(4) as client:
+        clean = run(client, train_live, STEPS, 9, 0, "none", workers=3, recovery="live").result(timeout=180)
+        job = run(client, train_live, STEPS, 2, 10, "before", str(tmp_path / "killed"), str(tmp_path / "joining"),
+                  workers=3, recovery="live", stall_timeout=60)
+        out = job.result(timeout=180)
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert sum("its replacement starts on" in h for h in history) == 2, history
+        assert [i for i, *_ in out[2]["runs"]] == list(range(10, STEPS))
+        for a, b in zip(out, clean):
+            assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
 
 
 def test_recovery_is_checked():

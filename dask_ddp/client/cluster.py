@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Sequence
 
 import cloudpickle
 from distributed import Event
@@ -162,13 +163,14 @@ class DaskCluster:
                            exc_info=True)
 
     def peer_lost(self, task: RankTask, addresses: list[str], ranks: list[int], cause: str,
-                  replaced: list = ()) -> None:
+                  replaced: Sequence = (), joined: Sequence = ()) -> None:
         """Tell the ranks of ``task``'s attempt on ``addresses`` that ``ranks`` were lost (a live job's survivors
-        re-form their group without them, or with the replacements ``replaced``: ``(rank, n)`` pairs)."""
+        re-form their group without them, or with the replacements ``replaced``: ``(rank, n)`` pairs; ``joined``:
+        the n of each lost process, 0 for one started with the attempt)."""
         from dask_ddp.worker.live import tell_peer_lost
 
         try:
-            tell_peer_lost(self.client, task.attempt_id, addresses, ranks, cause, replaced)
+            tell_peer_lost(self.client, task.attempt_id, addresses, ranks, cause, replaced, joined)
         except Exception:  # noqa: BLE001 - the scheduler is gone: the ranks fail their collectives, the job restarts
             logger.warning("dask-ddp could not tell the ranks of %s that ranks %s were lost", task.attempt_id, ranks,
                            exc_info=True)

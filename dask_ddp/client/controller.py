@@ -227,9 +227,8 @@ class Controller:
                 if outcome is None:
                     continue
             att.outcomes[r.rank] = outcome
-            if outcome.failed and live_recovery.recoverable(self.spec, att, outcome):
-                self.record.note(live_recovery.tell(self.cluster, att, outcome, self._usable_workers()))
-            elif outcome.failed:
+            if outcome.failed and not live_recovery.handled(self.spec, self.cluster, att, outcome,
+                                                            self._usable_workers, self.record.note):
                 self._abort(outcome.message or f"rank {r.rank} failed")
         self._check_stall(att)
         self._check_queued(att)

@@ -16,7 +16,7 @@ the values of the ranks that finished it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 import dask
 
@@ -25,18 +25,36 @@ from dask_ddp.wire import plan as planning
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.spec import LaunchSpec
 
-__all__ = ["RECOVERY", "recoverable", "settled"]
+__all__ = ["RECOVERY", "handled", "why_not", "tell", "settled"]
 
 RECOVERY = ("restart", "live")
 
 
-def recoverable(spec: LaunchSpec, att: Attempt, outcome: RankOutcome) -> bool:
-    """Whether a ``recovery="live"`` job goes on without the rank of ``outcome`` (see the module docstring)."""
-    if spec.recovery != "live" or outcome.status not in (Status.DIED, Status.LOST) or outcome.rank == 0:
-        return False
+def handled(spec: LaunchSpec, cluster, att: Attempt, outcome: RankOutcome, usable: Callable[[], Mapping[str, dict]],
+            note: Callable[[str], None]) -> bool:
+    """For the failed rank of ``outcome``: True when a ``recovery="live"`` job goes on without it (the ranks
+    left are told, a replacement started if ``usable()`` has a free worker, ``note`` given ``job.history``'s
+    line); False when the attempt must end (``note`` given why live recovery could not go on, for a live job)."""
+    why = why_not(spec, att, outcome)
+    if why is None:
+        note(tell(cluster, att, outcome, usable()))
+    elif spec.recovery == "live" and outcome.status in (Status.DIED, Status.LOST):
+        note(f"rank {outcome.rank} on {outcome.worker} {outcome.status}: no live recovery ({why}): the attempt ends")
+    return why is None
+
+
+def why_not(spec: LaunchSpec, att: Attempt, outcome: RankOutcome) -> str | None:
+    """Why a job does not go on without the rank of ``outcome`` (see the module docstring), or None: it does."""
+    if spec.recovery != "live":
+        return "recovery is not live"
+    if outcome.status not in (Status.DIED, Status.LOST):
+        return "the rank's own failure"
+    if outcome.rank == 0:
+        return "rank 0's process hosts the job's store"
     bounds = planning.elastic_bounds(spec.workers)
     left = [r.rank for r in att.plan.ranks if r.rank not in att.outcomes and r.rank != outcome.rank]
-    return len(left) >= (bounds[0] if bounds else 1)
+    need = bounds[0] if bounds else 1
+    return None if len(left) >= need else f"{len(left)} ranks left, fewer than the {need} the job needs"
 
 
 def tell(cluster, att: Attempt, outcome: RankOutcome, usable: Mapping[str, dict]) -> str:
@@ -45,10 +63,11 @@ def tell(cluster, att: Attempt, outcome: RankOutcome, usable: Mapping[str, dict]
     att.recovered.add(outcome.rank)
     left = [r for r in att.plan.ranks if r.rank not in att.outcomes]
     why = f"rank {outcome.rank} on {outcome.worker} {'was lost' if outcome.status == Status.LOST else 'died'}"
-    cfg = dask.config.get("ddp.live")
+    cfg, joined = dask.config.get("ddp.live"), att.tasks[outcome.rank].joined  # which process of the rank
     spare = _spare(att, outcome, usable) if cfg["replace"] and att.joins < cfg["max-replacements"] else None
     replaced = [(outcome.rank, _replace(cluster, att, outcome.rank, spare, usable[spare]))] if spare else []
-    cluster.peer_lost(att.tasks[0], [r.address for r in left], [outcome.rank], why, replaced)
+    cluster.peer_lost(att.tasks[0], [r.address for r in att.plan.ranks if r.rank not in att.outcomes],
+                      [outcome.rank], why, replaced, [joined])
     then = (f"its replacement starts on {spare} and heals from their memory" if spare else
             f"{len(left)} ranks go on (ranks {', '.join(str(r.rank) for r in left)})")
     return f"{why}: live recovery, the survivors keep their processes; {then}"
@@ -60,7 +79,8 @@ def _spare(att: Attempt, outcome: RankOutcome, usable: Mapping[str, dict]) -> st
     busy = {r.address for r in att.plan.ranks if r.rank not in att.outcomes}
     free = [a for a in usable if a not in busy]
     outside = [a for a in free if a not in att.plan.addresses]
-    return (outside or [a for a in free if a == outcome.worker] or [None])[0]
+    mine = [a for a in free if a == outcome.worker]
+    return outside[0] if outside else mine[0] if mine else None
 
 
 def _replace(cluster, att: Attempt, rank: int, address: str, info: Mapping) -> int:

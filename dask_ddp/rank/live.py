@@ -81,8 +81,10 @@ class _Live:
         self.device, self.joining = device, joining
         self.members = list(range(world_size))
         self.gen = 0
-        self.lost: set[int] = set()
+        self.lost: set[tuple[int, int]] = set()  # (rank, n): the process of rank ``rank`` started n-th was lost
+        self.incarnation = dict.fromkeys(self.members, 0)  # member -> n of its process (0: started with the attempt)
         self.replacing: dict[int, int] = {}  # lost rank -> n of the replacement starting (RankTask.joined)
+        self.epoch = 0  # losses heard so far: a group still forming is given up when one more comes
         self.heard = threading.Condition()
         self.recoveries: list[dict] = []
         self.model: Any = None
@@ -93,10 +95,13 @@ class _Live:
     def rank(self) -> int:
         return self.members.index(self.me)
 
-    def note_lost(self, ranks, cause: str, replaced=()) -> None:
+    def note_lost(self, ranks, cause: str, replaced=(), joined=()) -> None:
         with self.heard:
-            self.lost.update(int(r) for r in ranks)
+            for r, n in zip(ranks, joined or [0] * len(ranks)):
+                self.lost.add((int(r), int(n)))
+                self.replacing.pop(int(r), None)  # a replacement lost while it joined: it is no longer coming
             self.replacing.update((int(r), int(n)) for r, n in replaced)
+            self.epoch += 1
             self.heard.notify_all()
         if self.collective % 2:  # maybe blocked on a peer that never answers (hung, cut off): release it soon
             timer = threading.Timer(RELEASE_AFTER, self._release, (self.collective,))
@@ -124,8 +129,9 @@ class _Live:
                 pass
 
     def lost_members(self) -> set[int]:
+        """The members of the current group whose processes were lost."""
         with self.heard:
-            return self.lost & set(self.members)
+            return {r for r, n in self.lost if r in self.members and self.incarnation.get(r) == n}
 
     # ---- the commit vote --------------------------------------------------------------------------------------
     def commit(self, index: int) -> bool:
@@ -158,66 +164,103 @@ class _Live:
     def recover(self, index: int, error: BaseException | None) -> None:
         """After step ``index`` failed: wait to hear which member was lost, agree on the members left (with the
         replacements that are starting), re-form the process group with them, and heal the replacements from
-        memory. Raises LiveRecoveryError (no loss reported, this rank counted lost)."""
+        memory. A loss heard while the group forms gives it up for the next one. Raises LiveRecoveryError (no
+        loss reported, this rank counted lost, the group not formed within ``timeout``)."""
         started = time.monotonic()
         with self.heard:
-            self.heard.wait_for(lambda: self.lost & set(self.members), timeout=LOSS_WAIT)
-            lost = self.lost & set(self.members)
-            joiners = {r: n for r, n in self.replacing.items() if r in lost}
-        if not lost:
+            self.heard.wait_for(self.lost_members, timeout=LOSS_WAIT)
+        if not self.lost_members():
             raise LiveRecoveryError(
                 f"rank {self.me}: step {index} failed ({error!r}) and no peer was reported lost within "
                 f"{LOSS_WAIT:g} s: not a loss live recovery can heal") from error
-        name = f"{KEY}{self.gen + 1}/members"
-        members = sorted((set(self.members) - lost) | set(joiners))
-        proposal = json.dumps({"members": members, "joiners": {str(r): n for r, n in joiners.items()}})
-        text = self.seal.open(name, self.store.compare_set(name, "", self.seal.sign(name, proposal)))
-        agreed = json.loads(text) if text is not None else {}
-        members, joiners = agreed.get("members") or [], {int(r): n for r, n in agreed.get("joiners", {}).items()}
-        if self.me not in members:
-            raise LiveRecoveryError(f"rank {self.me} is not among the members agreed for generation {self.gen + 1} "
-                                    f"({members or 'none: a forged proposal'}): it was counted lost") from error
-        source = next(m for m in members if m not in joiners)
-        for r, n in joiners.items():  # where each replacement learns its group (the same value from every rank)
-            invite = f"{KEY}invite/{n}"
-            self.store.set(invite, self.seal.sign(invite, json.dumps({"gen": self.gen + 1, "members": members,
-                                                                     "source": source})))
-        self._form(self.gen + 1, members)
+        gen = self.gen + 1
+        while True:
+            with self.heard:
+                lost, epoch = self.lost_members(), self.epoch
+                joiners = {r: n for r, n in self.replacing.items() if r in lost}
+            members, joiners = self._agree(gen, sorted((set(self.members) - lost) | set(joiners)), joiners, error)
+            source = next(m for m in members if m not in joiners)  # this rank is one: it was not lost
+            incarnation = {**self.incarnation, **joiners}
+            for n in joiners.values():  # where each replacement learns its group (the same value from every rank)
+                invite = f"{KEY}invite/{n}"
+                self.store.set(invite, self.seal.sign(invite, json.dumps(
+                    {"gen": gen, "members": members, "source": source,
+                     "incarnation": {str(m): incarnation.get(m, 0) for m in members}})))
+            if self._form(gen, members, epoch):
+                break
+            gen += 1
+        self.incarnation = {m: incarnation.get(m, 0) for m in members}
         if joiners:
             self._sync(index, source)
         with self.heard:
-            self.lost -= set(joiners)
             for r in joiners:
                 self.replacing.pop(r, None)
         self.recoveries.append({"step": index, "lost": sorted(lost), "members": members, "generation": self.gen,
                                 "healed": sorted(joiners), "took": time.monotonic() - started})
 
+    def _agree(self, gen: int, members: list[int], joiners: dict[int, int], error) -> tuple[list[int], dict]:
+        """The members (and joiners) of generation ``gen``: the first proposal written to the store wins."""
+        name = f"{KEY}{gen}/members"
+        proposal = json.dumps({"members": members, "joiners": {str(r): n for r, n in joiners.items()}})
+        text = self.seal.open(name, self.store.compare_set(name, "", self.seal.sign(name, proposal)))
+        agreed = json.loads(text) if text is not None else {}
+        members, joiners = agreed.get("members") or [], {int(r): n for r, n in agreed.get("joiners", {}).items()}
+        if self.me not in members:
+            raise LiveRecoveryError(f"rank {self.me} is not among the members agreed for generation {gen} "
+                                    f"({members or 'none: a forged proposal'}): it was counted lost") from error
+        return members, joiners
+
     def join(self) -> int:
-        """A replacement's start: wait for its invitation, join the survivors' group, take the model, optimizer
-        and step from their memory; returns the step to run. Raises LiveRecoveryError (no invitation in time)."""
-        name, deadline = f"{KEY}invite/{self.joining}", time.monotonic() + self.timeout
-        while not self.store.check([name]):
+        """A replacement's start: wait for its invitation, join the survivors' group (a newer invitation when they
+        give one up), take the model, optimizer and step from their memory; returns the step to run. Raises
+        LiveRecoveryError (no invitation or no group within ``timeout``, a forged invitation)."""
+        name, deadline, gen = f"{KEY}invite/{self.joining}", time.monotonic() + self.timeout, None
+        while True:
+            if self.store.check([name]):
+                text = self.seal.open(name, self.store.get(name))
+                if text is None:
+                    raise LiveRecoveryError(f"rank {self.me} (a replacement): its invitation in the store is forged")
+                invite = json.loads(text)
+                if invite["gen"] != gen:
+                    gen = invite["gen"]
+                    self.incarnation = {int(m): n for m, n in invite["incarnation"].items()}
+                    if self._form(gen, invite["members"], None, fresh=True, invite=name):
+                        break
+                    continue
             if time.monotonic() > deadline:
-                raise LiveRecoveryError(f"rank {self.me} (a replacement) was not invited into the job's group within "
+                raise LiveRecoveryError(f"rank {self.me} (a replacement) was not taken into the job's group within "
                                         f"{self.timeout:g} s (ddp.timeout)")
             time.sleep(0.01)
-        text = self.seal.open(name, self.store.get(name))
-        if text is None:
-            raise LiveRecoveryError(f"rank {self.me} (a replacement): its invitation in the store is forged")
-        invite = json.loads(text)
-        self._form(invite["gen"], invite["members"], fresh=True)
         self.joining = 0
         return self._sync(None, invite["source"])
 
-    def _form(self, gen: int, members: list[int], fresh: bool = False) -> None:
+    def _form(self, gen: int, members: list[int], epoch: int | None, fresh: bool = False,
+              invite: str | None = None) -> bool:
+        """Check in to generation ``gen``, wait until every member has, then make its process group. False: given
+        up before every member checked in (a loss heard since ``epoch``; for a replacement, a newer invitation
+        at ``invite``). Raises LiveRecoveryError (not every member within ``timeout``)."""
         import torch.distributed as dist
 
+        key, deadline, nap = f"{KEY}{gen}/in", time.monotonic() + self.timeout, 0.001
+        self.store.add(key, 1)
+        while int(self.store.add(key, 0)) < len(members):
+            if epoch is not None and self.epoch != epoch:
+                return False  # a member that never checks in was lost: everyone gives this generation up
+            if invite is not None and json.loads(self.seal.open(invite, self.store.get(invite)) or "{}").get(
+                    "gen") != gen:
+                return False
+            if time.monotonic() > deadline:
+                raise LiveRecoveryError(f"rank {self.me}: the members {members} of generation {gen} did not all "
+                                        f"check in within {self.timeout:g} s (ddp.timeout)")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.02)
         if not fresh:
             dist.destroy_process_group()
         self.gen, self.members = gen, members
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"{KEY}{gen}/pg/", self.store),
                                 rank=self.rank, world_size=len(members), timeout=timedelta(seconds=self.timeout),
                                 device_id=self.device if self.backend == "nccl" and len(members) > 1 else None)
+        return True
 
     def _sync(self, index: int | None, source: int) -> int:
         """Every member takes the model's parameters and buffers (in place), the optimizer's state and the step
@@ -262,11 +305,12 @@ def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: 
     _LIVE = _Live(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device, joining)
 
 
-def peer_lost(ranks, cause: str = "", replaced=()) -> None:
-    """Note that ``ranks`` (original rank numbers) were lost, and which have replacements starting (``(rank,
-    n)`` pairs) (the listener thread, on a ``PeerLost``); raises nothing. Without live recovery set up, nothing."""
+def peer_lost(ranks, cause: str = "", replaced=(), joined=()) -> None:
+    """Note that the processes of ``ranks`` (rank numbers; ``joined``: the n of each, 0 for a rank started with
+    the attempt) were lost, and which have replacements starting (``(rank, n)`` pairs) (the listener thread, on a
+    ``PeerLost``); raises nothing. Without live recovery set up, nothing."""
     if _LIVE is not None:
-        _LIVE.note_lost(ranks, cause, replaced)
+        _LIVE.note_lost(ranks, cause, replaced, joined)
 
 
 def final_world_size(world_size: int) -> int:

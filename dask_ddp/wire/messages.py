@@ -128,6 +128,7 @@ class PeerLost:
     cause: str = ""
     # (rank, n) of those of ``ranks`` whose replacements are starting (``RankTask.joined`` n): the group waits for them
     replaced: tuple[tuple[int, int], ...] = ()
+    joined: tuple[int, ...] = ()  # each lost process's RankTask.joined (0: started with the attempt); () all 0
 
 
 @dataclass(frozen=True)
