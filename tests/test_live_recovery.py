@@ -21,7 +21,7 @@ STEPS = 24
 
 
 def train_live(steps: int, kill_rank, kill_at: int, when: str, once: str | None = None,
-               die_joining: str | None = None):
+               die_joining: str | None = None, step_s: float = 0.02):
     ctx = dask_ddp.get_context()
     if die_joining and once and os.path.exists(once) and not os.path.exists(die_joining):  # the first replacement
         open(die_joining, "w").close()
@@ -66,7 +66,7 @@ def train_live(steps: int, kill_rank, kill_at: int, when: str, once: str | None 
             if mine and when == "after":  # its vote is in: the step commits everywhere, the next is redone
                 os.kill(pid, signal.SIGKILL)
             dask_ddp.report(step=step.index, loss=loss.item())
-            time.sleep(0.02)
+            time.sleep(step_s)
     return {"rank": ctx.rank, "pids": (pid, os.getpid()), "runs": runs,
             "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
 
@@ -202,6 +202,30 @@ def test_a_replacement_lost_while_it_joins_is_replaced_again(tmp_path):
         assert [i for i, *_ in out[2]["runs"]] == list(range(10, STEPS))
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+
+
+def test_a_job_gone_smaller_takes_a_replacement_in_when_a_worker_comes(tmp_path):
+    """Rank 2's Dask worker SIGKILLed at step 5 with no worker free: ranks 0 and 1 go on as a group of 2; when
+    the worker's Nanny has started a new one, the controller starts rank 2 there and the group takes it in at a
+    step boundary (no step redone for that), healed from the survivors' memory: 3 ranks again, same PIDs."""
+    with local_client(3) as client:
+        job = run(client, train_live, STEPS, 2, 5, "worker", str(tmp_path / "killed"), None, 0.4,
+                  recovery="live", stall_timeout=60)
+        out = job.result(timeout=180)
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert any("2 ranks go on" in h for h in history) and any("starts again there" in h for h in history)
+        assert [o["rank"] for o in out] == [0, 1, 2]
+        for o in out[:2]:
+            assert o["pids"][0] == o["pids"][1]
+            indices, worlds = [i for i, *_ in o["runs"]], [w for _, _, w, _ in o["runs"]]
+            assert sorted(set(indices)) == list(range(STEPS)) and len(indices) - STEPS <= 1, indices
+            shape = [w for k, w in enumerate(worlds) if k == 0 or w != worlds[k - 1]]
+            assert shape == [3, 2, 3], worlds
+        joined = [i for i, *_ in out[2]["runs"]]
+        assert joined == list(range(joined[0], STEPS)) and joined[0] > 5, joined
+        assert torch.equal(out[0]["params"], out[2]["params"]) and torch.equal(out[0]["params"], out[1]["params"])
+        print(f"rank 2 back at step {joined[0]}")
 
 
 def test_recovery_is_checked():

@@ -91,7 +91,8 @@ class Controller:
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
         self.grace, self.max_preemptions = grace_period(), int(dask.config.get("ddp.preemption.max-restarts", 100))
-        self.notices = NoticeDesk(cluster, growth_bounds(spec), self.grace)  # growth and stop() notices
+        self.notices = NoticeDesk(cluster, growth_bounds(spec), self.grace,  # growth and stop() notices
+                                  record.note if spec.recovery == "live" else None)
         self._leftover: Any = None  # the ended attempt's RankTask, until its scheduler state is removed
 
     # ---- driving -------------------------------------------------------------------------------------------

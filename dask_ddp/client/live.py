@@ -9,8 +9,9 @@ the job), and at least ``min`` ranks still run (``workers=(min, max)``, else 1).
 not use, else the lost rank's own when only its process died) gets a replacement rank at once, started into the
 running attempt (``RankTask.joined``; ``ddp.live.replace``, at most ``ddp.live.max-replacements`` an attempt).
 The survivors get a :class:`~dask_ddp.wire.messages.PeerLost` through their supervisors, wait for the
-replacement and heal it from their memory; with no free worker they go on without it. The attempt's result is
-the values of the ranks that finished it.
+replacement and heal it from their memory; with no free worker they go on without it, and take a replacement
+in at a step boundary once a worker is free (:func:`regrow`, from the controller's notice desk). The attempt's
+result is the values of the ranks that finished it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dask_ddp.wire import plan as planning
 from dask_ddp.wire.outcome import RankOutcome, Status
 from dask_ddp.wire.spec import LaunchSpec
 
-__all__ = ["RECOVERY", "handled", "why_not", "tell", "settled"]
+__all__ = ["RECOVERY", "handled", "why_not", "tell", "regrow", "settled"]
 
 RECOVERY = ("restart", "live")
 
@@ -96,6 +97,24 @@ def _replace(cluster, att: Attempt, rank: int, address: str, info: Mapping) -> i
     att.outcomes.pop(rank, None)
     att.recovered.discard(rank)
     return att.joins
+
+
+def regrow(cluster, att: Attempt, usable: Mapping[str, dict]) -> str | None:
+    """A live job that went on smaller: start a replacement for its lowest lost rank on a free worker of
+    ``usable`` (within ``ddp.live.max-replacements``) and tell the ranks, which take it in at their next step
+    boundary. Returns ``job.history``'s line, or None (nothing lost, or no worker free)."""
+    cfg = dask.config.get("ddp.live")
+    if not att.recovered or not cfg["replace"] or att.joins >= cfg["max-replacements"]:
+        return None
+    rank = min(att.recovered)
+    spare = _spare(att, att.outcomes[rank], usable)
+    if spare is None:
+        return None
+    n = _replace(cluster, att, rank, spare, usable[spare])
+    cluster.peer_lost(att.tasks[0], [r.address for r in att.plan.ranks if r.rank not in att.outcomes], [],
+                      f"rank {rank} starts again on {spare}", [(rank, n)], [])
+    return (f"worker {spare} is free: rank {rank} starts again there and the live group takes it in at its next "
+            "step, healed from the others' memory")
 
 
 def settled(att: Attempt) -> dict[int, RankOutcome]:

@@ -15,11 +15,11 @@ when a stop is overdue, which the controller answers by cancelling the job.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Mapping, Protocol
 
 import dask
 
-from dask_ddp.client import elastic
+from dask_ddp.client import elastic, live
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.wire import plan as planning
 from dask_ddp.wire.spec import LaunchSpec
@@ -39,7 +39,8 @@ class Notifier(Protocol):
 
 def growth_bounds(spec: LaunchSpec) -> tuple[int, int | None] | None:
     """The ``(min, max)`` ranks a job may grow within: an elastic ``workers=(min, max)`` job with a
-    ``checkpoint_dir`` (what it restarts from) while ``ddp.preemption.grow`` is on; else None (it never grows).
+    ``checkpoint_dir`` (what it restarts from) while ``ddp.preemption.grow`` is on; else None (it never grows by
+    a restart; a ``recovery="live"`` job regrows in place instead).
 
     Raises
     ------
@@ -47,6 +48,8 @@ def growth_bounds(spec: LaunchSpec) -> tuple[int, int | None] | None:
         If ``spec.workers`` is a pair of counts that are not ``1 <= min <= max``.
     """
     bounds = planning.elastic_bounds(spec.workers)
+    if spec.recovery == "live":  # it grows in place (client.live.regrow), with no save and restart
+        return None
     return bounds if bounds and spec.checkpoint_dir and dask.config.get("ddp.preemption.grow", True) else None
 
 
@@ -57,8 +60,10 @@ class NoticeDesk:
     ``grace``: the seconds a growth's ranks have to save (``ddp.preemption.grace-period``).
     """
 
-    def __init__(self, cluster: Notifier, grow: tuple[int, int | None] | None, grace: float):
+    def __init__(self, cluster: Notifier, grow: tuple[int, int | None] | None, grace: float,
+                 live: Callable[[str], None] | None = None):
         self.cluster, self.grow, self.grace = cluster, grow, grace
+        self.live = live  # a live job's history (recovery="live"): it regrows in place (client.live.regrow)
         self.next_grow = 0.0  # the time (the controller's clock) idle workers are next looked for
         self.stop_asked: tuple[str, float] | None = None  # stop(): the cause, and the time by which to cancel instead
         self.noticed: int | None = None  # the index of the attempt a notice went to
@@ -66,20 +71,22 @@ class NoticeDesk:
     @property
     def active(self) -> bool:
         """Whether the desk has anything to check: the job may grow, or a stop was asked for."""
-        return bool(self.grow or self.stop_asked)
+        return bool(self.grow or self.stop_asked or self.live)
 
     def stop(self, cause: str, deadline: float) -> None:
         """Ask for a ``stop`` notice with ``cause``; past ``deadline`` (the controller's clock) the job is to be
         cancelled instead. Only the first call counts. Raises nothing."""
         self.stop_asked = self.stop_asked or (cause, deadline)
 
-    def check(self, att: Attempt, now: float, reported: bool, workers: Callable[[], Iterable[str]]) -> bool:
+    def check(self, att: Attempt, now: float, reported: bool, workers: Callable[[], Mapping[str, dict]]) -> bool:
         """One step of a running attempt ``att`` at time ``now``: after :meth:`stop`, send the ranks the ``stop``
-        notice once; else, for a job that may grow, send a ``grow`` notice once idle workers have joined.
+        notice once; else, for a live job that went on smaller, start a lost rank again on a free worker (it
+        regrows in place: :func:`~dask_ddp.client.live.regrow`); else, for a job that may grow, send a ``grow``
+        notice once idle workers have joined.
 
         ``reported``: whether any rank has reported a metric this attempt (a job grows only once it trains);
-        ``workers()``: the addresses of the workers a plan may use (running, neither silent nor departed), asked at
-        most every :data:`GROW_EVERY` s; those ``att`` does not use are the idle ones it could grow on.
+        ``workers()``: the workers a plan may use (running, neither silent nor departed), ``{address: info}``,
+        asked at most every :data:`GROW_EVERY` s; those ``att`` does not use are the idle ones it could grow on.
 
         Returns True when the stop's deadline has passed after its notice (the ranks did not reach a report in
         time: the caller cancels the job), else False. Raises nothing of its own: the cluster port logs a notice
@@ -87,11 +94,16 @@ class NoticeDesk:
         """
         if self.stop_asked:
             return self._check_stop(att, now, *self.stop_asked)
-        if self.grow:
+        if self.live and att.recovered and now >= self.next_grow:  # went on smaller: a free worker takes a rank
+            self.next_grow = now + GROW_EVERY
+            said = live.regrow(self.cluster, att, workers())
+            if said:
+                self.live(said)
+        elif self.grow:
             self._check_growth(att, now, reported, workers, self.grow)
         return False
 
-    def _check_growth(self, att: Attempt, now: float, reported: bool, workers: Callable[[], Iterable[str]],
+    def _check_growth(self, att: Attempt, now: float, reported: bool, workers: Callable[[], Mapping[str, dict]],
                       bounds: tuple[int, int | None]) -> None:
         """An elastic job below its maximum saves and restarts on more workers once idle ones have joined."""
         if self.noticed == att.index or now < self.next_grow or not reported:

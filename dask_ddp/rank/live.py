@@ -13,286 +13,33 @@ The training loop runs under :func:`live_steps`::
 
 ``net`` is the plain module (no ``DistributedDataParallel`` around it): ``opt.step()`` averages the gradients
 over the ranks of the current group itself (one all-reduce of a flat buffer per dtype), then **commits** the
-step, and applies it only when every rank of the group has reached that point. The commit is a vote in the
-job's rendezvous store (rank 0 hosts it): each rank adds one to the step's count; the rank whose vote completes
-it writes ``commit`` with ``compare_set``, and a rank that knows a member was lost writes ``abort``: the first
-written wins and every rank follows it (a vote that completes after an abort changes nothing). Values are
-signed with the attempt's key (:class:`~dask_ddp.wire.notices.Seal`), as the preemption protocol's.
+step, and applies it only when every rank of the group has reached that point (a vote in the job's store:
+:mod:`dask_ddp.rank.live_group`).
 
 When a rank's process dies or its worker is lost, the controller sends every survivor a
 :class:`~dask_ddp.wire.messages.PeerLost` (through its supervisor). A survivor in a collective with the dead
-rank gets gloo's error at once; one in the vote sees the loss there. Either way the step's ``with`` block ends
-without applying anything, the survivors agree on the members left (the first proposal in the store wins),
-re-form the process group with them on a fresh store prefix (the same processes, a new group), and run the
-same step again. A failure that is no lost peer (the code raised) is raised as ever.
+rank gets gloo's error at once (or, blocked on a hung peer, is released); one in the vote sees the loss there.
+Either way the step's ``with`` block ends without applying anything, the survivors re-form the process group
+without it (or with its replacement, healed from their memory, when the controller found a free worker) and
+run the same step again. A job that went on smaller takes a replacement in at a step boundary once a worker is
+free. A failure that is no lost peer (the code raised) is raised as ever.
 
-When the controller found a free worker, it starts a replacement there at once (the lost rank's number, its
-task marked ``joined``) and says so in the ``PeerLost``: the survivors then re-form the group with it instead
-of without it, invite it through the store (signed), and every member takes the model's parameters and buffers
-(in place), the optimizer's state and the step from one survivor over the new group (broadcasts; the optimizer
-state as ``torch.save`` bytes, read back with ``weights_only=True``): the job goes on at its full size, at the
-step that failed, and the replacement's code starts its loop there.
-
-A peer that hangs or is cut off (a stopped process, a host off the network) sends no FIN: a survivor blocked in
-the gradients' all-reduce would wait for gloo's timeout. When the loss is heard while the rank is in that
-collective, it shuts down its own connections to its peers (every TCP connection of the process but the
-store's) 0.2 s later: the collective fails at once and the recovery goes on.
-
-What this part does not do yet (issue 42): HSDP/FSDP, the data loader's position, growing back when a worker
-joins later, the loss of rank 0 (its store goes with it: the job falls back to a restart), a collective of the
-user's own blocked on a hung peer (only live_steps' own are released).
+What this part does not do yet (issue 42): HSDP/FSDP, the data loader's position, the loss of rank 0 (its store
+goes with it: the job falls back to a restart), a collective of the user's own blocked on a hung peer (only
+live_steps' own are released).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import threading
-import time
-from datetime import timedelta
 from typing import Any, Iterator
 
-from dask_ddp.wire.errors import DaskDDPError
+from dask_ddp.rank.live_group import LiveGroup, LiveRecoveryError, StepAborted
 from dask_ddp.wire.notices import Seal
 
 __all__ = ["live_steps", "LiveStep", "LiveRecoveryError", "setup", "peer_lost", "final_world_size"]
 
-KEY = "dask_ddp/live/"
-LOSS_WAIT = 60.0  # seconds a rank whose collective failed waits to hear which peer was lost, before it raises
-RELEASE_AFTER = 0.2  # seconds after a loss is heard until a collective still blocked is released (its sockets shut)
-
-
-class LiveRecoveryError(DaskDDPError):
-    """Live recovery could not go on (no peer loss was reported for a failed collective, this rank was counted
-    lost, or the store is gone): the job falls back to a restart, as without live recovery."""
-
-
-class _StepAborted(BaseException):
-    """The step's vote ended in ``abort``: a member of the group was lost before every rank voted. A
-    ``BaseException``: a training loop's ``except Exception`` lets it pass to the step."""
-
-
-class _Live:
-    """This rank's live group: the members (original ranks), the generation, the peers known lost."""
-
-    def __init__(self, store, seal: Seal, rank: int, world_size: int, backend: str, timeout: float,
-                 device=None, joining: int = 0) -> None:
-        self.store, self.seal, self.me, self.backend, self.timeout = store, seal, rank, backend, timeout
-        self.device, self.joining = device, joining
-        self.members = list(range(world_size))
-        self.gen = 0
-        self.lost: set[tuple[int, int]] = set()  # (rank, n): the process of rank ``rank`` started n-th was lost
-        self.incarnation = dict.fromkeys(self.members, 0)  # member -> n of its process (0: started with the attempt)
-        self.replacing: dict[int, int] = {}  # lost rank -> n of the replacement starting (RankTask.joined)
-        self.epoch = 0  # losses heard so far: a group still forming is given up when one more comes
-        self.heard = threading.Condition()
-        self.recoveries: list[dict] = []
-        self.model: Any = None
-        self.optimizer: Any = None
-        self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
-
-    @property
-    def rank(self) -> int:
-        return self.members.index(self.me)
-
-    def note_lost(self, ranks, cause: str, replaced=(), joined=()) -> None:
-        with self.heard:
-            for r, n in zip(ranks, joined or [0] * len(ranks)):
-                self.lost.add((int(r), int(n)))
-                self.replacing.pop(int(r), None)  # a replacement lost while it joined: it is no longer coming
-            self.replacing.update((int(r), int(n)) for r, n in replaced)
-            self.epoch += 1
-            self.heard.notify_all()
-        if self.collective % 2:  # maybe blocked on a peer that never answers (hung, cut off): release it soon
-            timer = threading.Timer(RELEASE_AFTER, self._release, (self.collective,))
-            timer.daemon = True
-            timer.start()
-
-    def _release(self, seen: int) -> None:
-        """Still in the collective the loss found the main thread in: shut down this process's connections to
-        its peers (every TCP connection but the store's: gloo's), so that the collective fails at once instead
-        of at gloo's timeout. What dies with them is this group only, which the recovery replaces."""
-        if self.collective != seen:  # that collective ended meanwhile
-            return
-        import socket
-
-        import psutil
-
-        store = int(os.environ.get("MASTER_PORT", "0"))
-        for c in psutil.Process().net_connections(kind="tcp"):
-            if c.status != psutil.CONN_ESTABLISHED or not c.raddr or store in (c.laddr.port, c.raddr.port):
-                continue
-            try:
-                with socket.socket(fileno=os.dup(c.fd)) as sock:  # the dup shares the connection: gloo sees EOF
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def lost_members(self) -> set[int]:
-        """The members of the current group whose processes were lost."""
-        with self.heard:
-            return {r for r, n in self.lost if r in self.members and self.incarnation.get(r) == n}
-
-    # ---- the commit vote --------------------------------------------------------------------------------------
-    def commit(self, index: int) -> bool:
-        """Vote for step ``index``; True: every member voted (commit), False: a member was lost first (abort)."""
-        base = f"{KEY}{self.gen}/{index}/"
-        want = "commit" if int(self.store.add(base + "votes", 1)) >= len(self.members) else None
-        nap, deadline = 0.0002, time.monotonic() + self.timeout
-        while True:
-            if want is None and self.store.check([base + "decided"]):
-                return self._decision(base, None)
-            if want is None and self.lost_members():
-                want = "abort"
-            if want is None and int(self.store.add(base + "votes", 0)) >= len(self.members):
-                want = "commit"
-            if want is not None:
-                return self._decision(base, want)
-            if time.monotonic() > deadline:
-                raise LiveRecoveryError(f"rank {self.me}: the vote of step {index} did not complete within "
-                                        f"{self.timeout:g} s (ddp.timeout), and no peer was reported lost")
-            time.sleep(nap)
-            nap = min(nap * 2, 0.005)
-
-    def _decision(self, base: str, want: str | None) -> bool:
-        name = base + "decided"
-        held = (self.store.compare_set(name, "", self.seal.sign(name, want)) if want is not None
-                else self.store.get(name))
-        return self.seal.open(name, held) == "commit"  # a forged decision is no commit: the step runs again
-
-    # ---- re-forming the group ---------------------------------------------------------------------------------
-    def recover(self, index: int, error: BaseException | None) -> None:
-        """After step ``index`` failed: wait to hear which member was lost, agree on the members left (with the
-        replacements that are starting), re-form the process group with them, and heal the replacements from
-        memory. A loss heard while the group forms gives it up for the next one. Raises LiveRecoveryError (no
-        loss reported, this rank counted lost, the group not formed within ``timeout``)."""
-        started = time.monotonic()
-        with self.heard:
-            self.heard.wait_for(self.lost_members, timeout=LOSS_WAIT)
-        if not self.lost_members():
-            raise LiveRecoveryError(
-                f"rank {self.me}: step {index} failed ({error!r}) and no peer was reported lost within "
-                f"{LOSS_WAIT:g} s: not a loss live recovery can heal") from error
-        gen = self.gen + 1
-        while True:
-            with self.heard:
-                lost, epoch = self.lost_members(), self.epoch
-                joiners = {r: n for r, n in self.replacing.items() if r in lost}
-            members, joiners = self._agree(gen, sorted((set(self.members) - lost) | set(joiners)), joiners, error)
-            source = next(m for m in members if m not in joiners)  # this rank is one: it was not lost
-            incarnation = {**self.incarnation, **joiners}
-            for n in joiners.values():  # where each replacement learns its group (the same value from every rank)
-                invite = f"{KEY}invite/{n}"
-                self.store.set(invite, self.seal.sign(invite, json.dumps(
-                    {"gen": gen, "members": members, "source": source,
-                     "incarnation": {str(m): incarnation.get(m, 0) for m in members}})))
-            if self._form(gen, members, epoch):
-                break
-            gen += 1
-        self.incarnation = {m: incarnation.get(m, 0) for m in members}
-        if joiners:
-            self._sync(index, source)
-        with self.heard:
-            for r in joiners:
-                self.replacing.pop(r, None)
-        self.recoveries.append({"step": index, "lost": sorted(lost), "members": members, "generation": self.gen,
-                                "healed": sorted(joiners), "took": time.monotonic() - started})
-
-    def _agree(self, gen: int, members: list[int], joiners: dict[int, int], error) -> tuple[list[int], dict]:
-        """The members (and joiners) of generation ``gen``: the first proposal written to the store wins."""
-        name = f"{KEY}{gen}/members"
-        proposal = json.dumps({"members": members, "joiners": {str(r): n for r, n in joiners.items()}})
-        text = self.seal.open(name, self.store.compare_set(name, "", self.seal.sign(name, proposal)))
-        agreed = json.loads(text) if text is not None else {}
-        members, joiners = agreed.get("members") or [], {int(r): n for r, n in agreed.get("joiners", {}).items()}
-        if self.me not in members:
-            raise LiveRecoveryError(f"rank {self.me} is not among the members agreed for generation {gen} "
-                                    f"({members or 'none: a forged proposal'}): it was counted lost") from error
-        return members, joiners
-
-    def join(self) -> int:
-        """A replacement's start: wait for its invitation, join the survivors' group (a newer invitation when they
-        give one up), take the model, optimizer and step from their memory; returns the step to run. Raises
-        LiveRecoveryError (no invitation or no group within ``timeout``, a forged invitation)."""
-        name, deadline, gen = f"{KEY}invite/{self.joining}", time.monotonic() + self.timeout, None
-        while True:
-            if self.store.check([name]):
-                text = self.seal.open(name, self.store.get(name))
-                if text is None:
-                    raise LiveRecoveryError(f"rank {self.me} (a replacement): its invitation in the store is forged")
-                invite = json.loads(text)
-                if invite["gen"] != gen:
-                    gen = invite["gen"]
-                    self.incarnation = {int(m): n for m, n in invite["incarnation"].items()}
-                    if self._form(gen, invite["members"], None, fresh=True, invite=name):
-                        break
-                    continue
-            if time.monotonic() > deadline:
-                raise LiveRecoveryError(f"rank {self.me} (a replacement) was not taken into the job's group within "
-                                        f"{self.timeout:g} s (ddp.timeout)")
-            time.sleep(0.01)
-        self.joining = 0
-        return self._sync(None, invite["source"])
-
-    def _form(self, gen: int, members: list[int], epoch: int | None, fresh: bool = False,
-              invite: str | None = None) -> bool:
-        """Check in to generation ``gen``, wait until every member has, then make its process group. False: given
-        up before every member checked in (a loss heard since ``epoch``; for a replacement, a newer invitation
-        at ``invite``). Raises LiveRecoveryError (not every member within ``timeout``)."""
-        import torch.distributed as dist
-
-        key, deadline, nap = f"{KEY}{gen}/in", time.monotonic() + self.timeout, 0.001
-        self.store.add(key, 1)
-        while int(self.store.add(key, 0)) < len(members):
-            if epoch is not None and self.epoch != epoch:
-                return False  # a member that never checks in was lost: everyone gives this generation up
-            if invite is not None and json.loads(self.seal.open(invite, self.store.get(invite)) or "{}").get(
-                    "gen") != gen:
-                return False
-            if time.monotonic() > deadline:
-                raise LiveRecoveryError(f"rank {self.me}: the members {members} of generation {gen} did not all "
-                                        f"check in within {self.timeout:g} s (ddp.timeout)")
-            time.sleep(nap)
-            nap = min(nap * 2, 0.02)
-        if not fresh:
-            dist.destroy_process_group()
-        self.gen, self.members = gen, members
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{KEY}{gen}/pg/", self.store),
-                                rank=self.rank, world_size=len(members), timeout=timedelta(seconds=self.timeout),
-                                device_id=self.device if self.backend == "nccl" and len(members) > 1 else None)
-        return True
-
-    def _sync(self, index: int | None, source: int) -> int:
-        """Every member takes the model's parameters and buffers (in place), the optimizer's state and the step
-        from ``source`` (an original rank) over the group; returns the step."""
-        import io
-
-        import torch
-        import torch.distributed as dist
-
-        src, model, opt = self.members.index(source), self.model, self.optimizer
-        tensors = [*model.parameters(), *model.buffers()]
-        dev = tensors[0].device if self.backend == "nccl" and tensors else torch.device("cpu")
-        head = torch.tensor([-1 if index is None else index, 0], dtype=torch.int64, device=dev)
-        blob = b""
-        if self.me == source:
-            buf = io.BytesIO()
-            torch.save(opt.state_dict(), buf)
-            blob = buf.getvalue()
-            head[1] = len(blob)
-        dist.broadcast(head, src)
-        with torch.no_grad():
-            for t in tensors:
-                dist.broadcast(t, src)
-        data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev) if self.me == source
-                else torch.empty(int(head[1]), dtype=torch.uint8, device=dev))
-        dist.broadcast(data, src)
-        if index is None:  # the replacement: a state its code never had
-            opt.load_state_dict(torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True))
-        return int(head[0])
-
-
-_LIVE: _Live | None = None
+_LIVE: LiveGroup | None = None
 
 
 def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: float, device=None,
@@ -302,7 +49,7 @@ def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: 
     (``RankTask.joined``), it joins the survivors' group in :func:`live_steps`. Raises ValueError (a key under
     16 bytes)."""
     global _LIVE
-    _LIVE = _Live(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device, joining)
+    _LIVE = LiveGroup(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device, joining)
 
 
 def peer_lost(ranks, cause: str = "", replaced=(), joined=()) -> None:
@@ -326,11 +73,12 @@ class LiveStep:
     ``committed`` (after the block: the step was applied on every rank of the group).
     """
 
-    def __init__(self, live: _Live, index: int, attempts: int) -> None:
+    def __init__(self, live: LiveGroup, index: int, attempts: int) -> None:
         self._live, self.index, self.attempts = live, index, attempts
         self.rank, self.world_size = live.rank, len(live.members)
         self.committed = False
         self.voted = False
+        self.grow: dict[int, int] = {}
 
     def __enter__(self) -> "LiveStep":
         return self
@@ -338,10 +86,12 @@ class LiveStep:
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is None and not self.voted:  # no optimizer step in the block: the vote is here
             try:
-                self.committed = self._live.commit(self.index)
+                self.committed, self.grow = self._live.commit(self.index)
             except RuntimeError as err:  # the store or the group failed: a loss decides below
                 exc = err
         if exc is None and self.committed:
+            if self.grow:  # replacements of ranks the group went on without: taken in before the next step
+                self._live.regroup(self.index + 1, grow=self.grow)
             return False
         if exc is not None and not _lost_peer(exc):
             return False  # the code's own error: raised as ever
@@ -383,16 +133,16 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
     def step(*args, **kwargs):
         s = current[0]
         if live.lost_members():  # a member is known lost: its collective would fail or hang
-            raise _StepAborted()
+            raise StepAborted()
         live.collective += 1
         try:
             _average(params, len(live.members))
         finally:
             live.collective += 1
         s.voted = True
-        if not live.commit(s.index):
-            raise _StepAborted()
-        s.committed = True
+        s.committed, s.grow = live.commit(s.index)
+        if not s.committed:
+            raise StepAborted()
         return own_step(*args, **kwargs)
 
     optimizer.step = step
@@ -412,7 +162,7 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
 
 def _lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` may come of a lost peer: an aborted vote, or a collective's or the store's error."""
-    if isinstance(exc, _StepAborted):
+    if isinstance(exc, StepAborted):
         return True
     if isinstance(exc, LiveRecoveryError) or not isinstance(exc, RuntimeError):
         return False
