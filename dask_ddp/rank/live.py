@@ -125,7 +125,7 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
         raise LiveRecoveryError("live_steps() runs in a rank of a job started with dispatch.run(..., "
                                 "recovery=\"live\"); this rank has no live group")
     params = [p for p in model.parameters() if p.requires_grad]
-    live.model, live.optimizer = model, optimizer
+    live.attach(model, optimizer)
     if live.joining:  # a replacement: the step, model and optimizer come from the survivors' memory
         start = live.join()
     own_step, current = optimizer.step, [LiveStep(live, start, 1)]
@@ -134,11 +134,7 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
         s = current[0]
         if live.lost_members():  # a member is known lost: its collective would fail or hang
             raise StepAborted()
-        live.collective += 1
-        try:
-            _average(params, len(live.members))
-        finally:
-            live.collective += 1
+        live.average(params)
         s.voted = True
         s.committed, s.grow = live.commit(s.index)
         if not s.committed:
@@ -171,21 +167,3 @@ def _lost_peer(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, dist.DistError) or any(w in text for w in ("gloo", "Connection", "NCCL", "Socket"))
 
-
-def _average(params: list, world_size: int) -> None:
-    """Average the gradients of ``params`` over the current group: one all-reduce per dtype and device."""
-    import torch
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict[tuple, list] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)  # every rank sends the same buffers, used or not
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in groups.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= world_size
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)

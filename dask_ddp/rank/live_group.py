@@ -76,6 +76,19 @@ class LiveGroup:
         self.optimizer: Any = None
         self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
 
+    def attach(self, model: Any, optimizer: Any) -> None:
+        """The model and optimizer the group heals a replacement with (:func:`~dask_ddp.rank.live.live_steps`)."""
+        self.model, self.optimizer = model, optimizer
+
+    def average(self, params: list) -> None:
+        """Average the gradients of ``params`` over the group (one all-reduce per dtype and device); a loss heard
+        meanwhile releases it (see the module docstring). Raises what the collective raises."""
+        self.collective += 1
+        try:
+            _average(params, len(self.members))
+        finally:
+            self.collective += 1
+
     @property
     def rank(self) -> int:
         return self.members.index(self.me)
@@ -293,3 +306,22 @@ class LiveGroup:
         if index is None:  # the replacement: a state its code never had
             opt.load_state_dict(torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True))
         return int(head[0])
+
+
+def _average(params: list, world_size: int) -> None:
+    """Average the gradients of ``params`` over the current group: one all-reduce per dtype and device."""
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple, list] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # every rank sends the same buffers, used or not
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in groups.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= world_size
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
