@@ -4,7 +4,9 @@ Dask worker's); the survivors keep their processes and re-form their group witho
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import os
 import signal
 import time
@@ -238,3 +240,85 @@ def test_live_steps_outside_a_live_job_says_how_to_start_one():
     with pytest.raises(dask_ddp.LiveRecoveryError, match='recovery="live"'):
         next(dask_ddp.live_steps(3, model=torch.nn.Linear(1, 1), optimizer=None))
 
+
+
+def to_tensor(img):  # here: the rank unpickles this module's functions by value
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+def train_stream(url: str, faults: dict, flags: str, keys_dir: str, step_s: float):
+    """One epoch of a StreamingLoader under live_steps; ``faults``: {step: [(rank, "rank" or "worker")]}, each
+    done once (a flag file). Every committed step's real keys go to a file of this process."""
+    import psutil
+
+    from dask_ddp.data import StreamingDataset
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    ds = StreamingDataset(url, seed=3, transform=to_tensor)
+    loader = ds.loader(2, policy="pad")
+    net = torch.nn.Linear(3 * 16 * 16, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    log = os.open(f"{keys_dir}/{os.getpid()}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    for step in dask_ddp.live_steps(10**6, model=net, optimizer=opt, loader=loader):
+        with step:
+            for rank, what in faults.get(str(step.index), []):
+                flag = f"{flags}/{step.index}-{rank}"
+                if rank == ctx.rank and not os.path.exists(flag):
+                    open(flag, "w").close()
+                    port = int(ctx.worker.rsplit(":", 1)[1])
+                    victim = os.getpid() if what == "rank" else next(
+                        c.pid for c in psutil.net_connections(kind="tcp")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
+                    os.kill(victim, signal.SIGKILL)
+                    time.sleep(30)
+            x, y = step.batch
+            keys = loader.batch_keys[:loader.batch_real]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x.flatten(1).float() / 255), y).backward()
+            opt.step()
+            time.sleep(step_s)
+        if step.committed:
+            os.write(log, (json.dumps({"step": step.index, "world": step.world_size, "keys": keys}) + "\n").encode())
+            if loader.epoch >= 1:  # the epoch's last step committed, at the same step on every rank
+                break
+    return ctx.rank
+
+
+def test_every_sample_once_through_five_live_recoveries_with_shrink_and_growth(tmp_path):
+    """One epoch of 240 images (4 ranks, 2 a step each) through 5 live recoveries: rank 3's worker lost with no
+    worker free (the group shrinks to 3, then takes rank 3 back when the Nanny's new worker is up), rank 1's
+    process, rank 2's process, then ranks 1 and 3 at once (replacements heal from the survivors' memory, loader
+    position included). Every sample of the epoch is in exactly one committed step."""
+    from test_streaming import make_folder
+
+    from dask_ddp.data import StreamingDataset, write_shards
+
+    make_folder(tmp_path / "src", n=240)
+    write_shards(str(tmp_path / "src"), str(tmp_path / "shards"), shard_size="20KB", progress=False, client=False)
+    url, flags, keys_dir = str(tmp_path / "shards"), tmp_path / "flags", tmp_path / "keys"
+    flags.mkdir()
+    keys_dir.mkdir()
+    faults = {"2": [(3, "worker")], "14": [(1, "rank")], "19": [(2, "rank")], "24": [(1, "rank"), (3, "rank")]}
+    with local_client(4) as client:
+        job = run(client, train_stream, url, faults, str(flags), str(keys_dir), 0.4, recovery="live",
+                  stall_timeout=60)
+        job.result(timeout=240)
+        history = [h[-1] for h in job.history]
+    print(history)
+    assert sum("live recovery" in h for h in history) == 5, history
+    assert any("starts again there" in h for h in history), history  # the growth back to 4
+    seen = collections.Counter()
+    worlds = []
+    for path in keys_dir.iterdir():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            seen.update(entry["keys"])
+            worlds.append((entry["step"], entry["world"]))
+    print(f"sizes by step: {sorted(set(worlds))}")
+    expected = set(StreamingDataset(url, seed=3).index.keys)
+    assert set(seen) == expected and all(n == 1 for n in seen.values()), (
+        f"missing {sorted(expected - set(seen))[:5]}, twice {[k for k, n in seen.items() if n > 1][:5]}")
+    assert {w for _, w in worlds} == {3, 4}

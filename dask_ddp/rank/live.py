@@ -70,7 +70,8 @@ class LiveStep:
 
     Attributes: ``index`` (the step number), ``rank`` and ``world_size`` (this rank's place in the current
     group: they change when a peer is lost), ``attempts`` (how many times this step has run, from 1),
-    ``committed`` (after the block: the step was applied on every rank of the group).
+    ``batch`` (the step's batch from ``live_steps``' loader, else None), ``committed`` (after the block: the
+    step was applied on every rank of the group).
     """
 
     def __init__(self, live: LiveGroup, index: int, attempts: int) -> None:
@@ -79,6 +80,8 @@ class LiveStep:
         self.committed = False
         self.voted = False
         self.grow: dict[int, int] = {}
+        self.batch: Any = None  # the step's batch, when live_steps was given a loader
+        self.rewind: Any = None  # puts the loader back where the step began
 
     def __enter__(self) -> "LiveStep":
         return self
@@ -96,6 +99,8 @@ class LiveStep:
         if exc is not None and not _lost_peer(exc):
             return False  # the code's own error: raised as ever
         self.committed = False
+        if self.rewind is not None:  # the loader back to where this step began: a replacement is sent that
+            self.rewind()
         self._live.recover(self.index, exc)
         return True
 
@@ -103,13 +108,18 @@ class LiveStep:
         return f"LiveStep(index={self.index}, rank={self.rank}, world_size={self.world_size})"
 
 
-def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Iterator[LiveStep]:
+def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
+               start: int = 0) -> Iterator[LiveStep]:
     """Steps ``start`` .. ``total - 1`` of a live-recovered loop; a step whose group lost a member runs again.
 
     ``model``: the plain ``torch.nn.Module`` (not wrapped in ``DistributedDataParallel``); ``optimizer``: its
     optimizer, whose ``step()`` is taken over for the loop: it averages the gradients over the group, votes, and
     applies the step only once every member has voted (see the module docstring). After the loop the
-    optimizer's own ``step`` is back.
+    optimizer's own ``step`` is back. ``loader``: a :class:`~dask_ddp.data.StreamingLoader` whose batches the
+    steps take (``step.batch``, epoch after epoch): a step run again gets the same samples back, the loader
+    follows the group's rank and size (its position counts the samples of all ranks together), and a
+    replacement gets its position from the survivors: each sample of an epoch is used once by the committed
+    steps, through any number of recoveries.
 
     Raises
     ------
@@ -125,10 +135,11 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
         raise LiveRecoveryError("live_steps() runs in a rank of a job started with dispatch.run(..., "
                                 "recovery=\"live\"); this rank has no live group")
     params = [p for p in model.parameters() if p.requires_grad]
-    live.attach(model, optimizer)
-    if live.joining:  # a replacement: the step, model and optimizer come from the survivors' memory
+    live.attach(model, optimizer, loader)
+    if live.joining:  # a replacement: the step, model, optimizer and loader come from the survivors' memory
         start = live.join()
     own_step, current = optimizer.step, [LiveStep(live, start, 1)]
+    batches = _Batches(loader, live)
 
     def step(*args, **kwargs):
         s = current[0]
@@ -146,6 +157,7 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
         index, attempts = start, 1
         while index < total:
             current[0] = s = LiveStep(live, index, attempts)
+            s.batch, s.rewind = batches.next()
             yield s
             if s.committed:
                 index, attempts = index + 1, 1
@@ -154,6 +166,43 @@ def live_steps(total: int, *, model: Any, optimizer: Any, start: int = 0) -> Ite
                 attempts += 1
     finally:
         optimizer.step = own_step
+        batches.close()
+
+
+class _Batches:
+    """``live_steps``' batches from a loader (none without one): restarted from the loader's position whenever
+    the group's rank or size changed or a step is run again."""
+
+    def __init__(self, loader: Any, live: LiveGroup) -> None:
+        self.loader, self.live = loader, live
+        self.it: Any = None
+
+    def next(self) -> tuple[Any, Any]:
+        """The next batch and how to put the loader back before it (None, None without a loader)."""
+        loader = self.loader
+        if loader is None:
+            return None, None
+        place = (self.live.rank, len(self.live.members))
+        if self.it is None or (loader.rank, loader.world_size) != place:
+            self.close()
+            loader.rank, loader.world_size = place
+            self.it = iter(loader)
+        before = loader.state_dict()
+        try:
+            batch = next(self.it)
+        except StopIteration:  # the epoch ended: the loader is at the next one's start
+            self.it = it = iter(loader)
+            batch = next(it)
+
+        def rewind() -> None:
+            self.close()
+            loader.load_state_dict(before)
+        return batch, rewind
+
+    def close(self) -> None:
+        if self.it is not None:
+            self.it.close()  # its DataLoader and workers go with it
+            self.it = None
 
 
 def _lost_peer(exc: BaseException) -> bool:

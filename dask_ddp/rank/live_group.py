@@ -17,8 +17,8 @@ next (two losses at once; a replacement lost while it joins). Losses name the pr
 
 **Healing.** A replacement (the lost rank's number, started into the running attempt) is invited through the
 store (signed) to the generation that takes it in; every member then takes the model's parameters and buffers
-(in place), the optimizer's state (``torch.save`` bytes, read back with ``weights_only=True``) and the step from
-one survivor over the new group (broadcasts).
+(in place), the optimizer's state and the data loader's position (``torch.save`` bytes, read back with
+``weights_only=True``) and the step from one survivor over the new group (broadcasts).
 
 **Releasing.** A peer that hangs or is cut off (a stopped process, a host off the network) sends no FIN: a
 survivor blocked in the gradients' all-reduce would wait for gloo's timeout. When the loss is heard while the
@@ -74,11 +74,13 @@ class LiveGroup:
         self.recoveries: list[dict] = []
         self.model: Any = None
         self.optimizer: Any = None
+        self.loader: Any = None
         self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
 
-    def attach(self, model: Any, optimizer: Any) -> None:
-        """The model and optimizer the group heals a replacement with (:func:`~dask_ddp.rank.live.live_steps`)."""
-        self.model, self.optimizer = model, optimizer
+    def attach(self, model: Any, optimizer: Any, loader: Any = None) -> None:
+        """The model, optimizer and data loader (a ``StreamingLoader``, or None) the group heals a replacement
+        with (:func:`~dask_ddp.rank.live.live_steps`)."""
+        self.model, self.optimizer, self.loader = model, optimizer, loader
 
     def average(self, params: list) -> None:
         """Average the gradients of ``params`` over the group (one all-reduce per dtype and device); a loss heard
@@ -279,8 +281,8 @@ class LiveGroup:
         return True
 
     def _sync(self, index: int | None, source: int) -> int:
-        """Every member takes the model's parameters and buffers (in place), the optimizer's state and the step
-        from ``source`` (an original rank) over the group; returns the step."""
+        """Every member takes the model's parameters and buffers (in place), the optimizer's state, the data
+        loader's position and the step from ``source`` (a rank number) over the group; returns the step."""
         import io
 
         import torch
@@ -293,7 +295,8 @@ class LiveGroup:
         blob = b""
         if self.me == source:
             buf = io.BytesIO()
-            torch.save(opt.state_dict(), buf)
+            torch.save({"optimizer": opt.state_dict(),
+                        "loader": self.loader.state_dict() if self.loader is not None else None}, buf)
             blob = buf.getvalue()
             head[1] = len(blob)
         dist.broadcast(head, src)
@@ -304,7 +307,10 @@ class LiveGroup:
                 else torch.empty(int(head[1]), dtype=torch.uint8, device=dev))
         dist.broadcast(data, src)
         if index is None:  # the replacement: a state its code never had
-            opt.load_state_dict(torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True))
+            state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+            opt.load_state_dict(state["optimizer"])
+            if self.loader is not None and state["loader"] is not None:
+                self.loader.load_state_dict(state["loader"])
         return int(head[0])
 
 
