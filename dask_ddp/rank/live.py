@@ -24,9 +24,11 @@ without it (or with its replacement, healed from their memory, when the controll
 run the same step again. A job that went on smaller takes a replacement in at a step boundary once a worker is
 free. A failure that is no lost peer (the code raised) is raised as ever.
 
-What this part does not do yet (issue 42): HSDP/FSDP, the data loader's position, the loss of rank 0 (its store
-goes with it: the job falls back to a restart), a collective of the user's own blocked on a hung peer (only
-live_steps' own are released).
+Given a ``StreamingLoader``, the steps take their batches from it and every sample of an epoch is used once by
+the committed steps (see :func:`live_steps`).
+
+What this part does not do yet (issue 42): HSDP/FSDP, the loss of rank 0 (its store goes with it: the job falls
+back to a restart), a collective of the user's own blocked on a hung peer (only live_steps' own are released).
 """
 
 from __future__ import annotations
