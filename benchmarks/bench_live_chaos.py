@@ -281,7 +281,7 @@ def main() -> None:
 
 
 def _write(path: Path, rows: list[dict], args) -> None:
-    def f(x, fmt="{:.2f}"):
+    def f(x, fmt="{:.2f} s"):
         return "n/a" if x is None or x != x else fmt.format(x)
 
     lines = [f"# Chaos: a rank killed every {args.every:g} s for {args.duration:g} s (3 ranks, gloo, CPU)", "",
@@ -292,9 +292,9 @@ def _write(path: Path, rows: list[dict], args) -> None:
              "failure | detection, median | replacement back, median | efficiency (ideal) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['way']} | {f(r['clean_steps_per_s'])} | {r['kills']} | {f(r['to_next_median'])} s / "
-                     f"{f(r['to_next_p95'])} s | {', '.join(map(str, r['redone'])) or 'n/a'} | "
-                     f"{f(r['detect_median'])} s | {f(r['back_median'])} s | {f(r['efficiency'], '{:.1%}')} "
+        lines.append(f"| {r['way']} | {f(r['clean_steps_per_s'], '{:.1f}')} | {r['kills']} | "
+                     f"{f(r['to_next_median'])} / {f(r['to_next_p95'])} | {', '.join(map(str, r['redone'])) or 'n/a'} "
+                     f"| {f(r['detect_median'])} | {f(r['back_median'])} | {f(r['efficiency'], '{:.1%}')} "
                      f"({f(r['ideal'], '{:.1%}')}) |")
     lines += ["", "Raw rows:", "", "```", *(json.dumps(r) for r in rows), "```", ""]
     path.write_text("\n".join(lines))
