@@ -182,7 +182,9 @@ def test_report_past_the_budget_waits_for_room_keeps_every_report_in_order_and_s
     assert took >= 0.9 * (sent - paced.limits.burst_bytes) / rate  # paced: it could not go faster
     assert not [it for it in items if it["kind"] == "dropped"]
     (waited,) = [it for it in items if it["kind"] == "throttled"]
-    assert waited["rank"] == 1 and waited["attempt"] == 2 and waited["calls"] > 1000
+    # how many calls waited depends on the scheduler: a rank descheduled between two calls comes back to a bucket
+    # refilled meanwhile (a clean run on a loaded machine: 869 of 2,000); how long they waited in all does not
+    assert waited["rank"] == 1 and waited["attempt"] == 2 and 0 < waited["calls"] <= 2000
     assert 0.5 * (sent - paced.limits.burst_bytes) / rate <= waited["seconds"] <= took
     assert paced.drain() == []  # said once
 
