@@ -54,12 +54,12 @@ def setup(store, key: bytes, rank: int, world_size: int, backend: str, timeout: 
     _LIVE = LiveGroup(store, Seal(key or os.urandom(32)), rank, world_size, backend, timeout, device, joining)
 
 
-def peer_lost(ranks, cause: str = "", replaced=(), joined=()) -> None:
+def peer_lost(ranks, replaced=(), joined=()) -> None:
     """Note that the processes of ``ranks`` (rank numbers; ``joined``: the n of each, 0 for a rank started with
     the attempt) were lost, and which have replacements starting (``(rank, n)`` pairs) (the listener thread, on a
     ``PeerLost``); raises nothing. Without live recovery set up, nothing."""
     if _LIVE is not None:
-        _LIVE.note_lost(ranks, cause, replaced, joined)
+        _LIVE.note_lost(ranks, replaced, joined)
 
 
 def final_world_size(world_size: int) -> int:

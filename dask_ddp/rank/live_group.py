@@ -71,7 +71,6 @@ class LiveGroup:
         self.replacing: dict[int, int] = {}  # lost rank -> n of the replacement starting (RankTask.joined)
         self.epoch = 0  # losses heard so far: a group still forming is given up when one more comes
         self.heard = threading.Condition()
-        self.recoveries: list[dict] = []
         self.model: Any = None
         self.optimizer: Any = None
         self.loader: Any = None
@@ -95,7 +94,7 @@ class LiveGroup:
     def rank(self) -> int:
         return self.members.index(self.me)
 
-    def note_lost(self, ranks, cause: str, replaced=(), joined=()) -> None:
+    def note_lost(self, ranks, replaced=(), joined=()) -> None:
         with self.heard:
             for r, n in zip(ranks, joined or [0] * len(ranks)):
                 self.lost.add((int(r), int(n)))
@@ -162,12 +161,11 @@ class LiveGroup:
             with self.heard:
                 grow = {str(r): n for r, n in self.replacing.items() if r not in self.members}
             want = json.dumps({"commit": True, "grow": grow})
+        elif want == "abort":
+            want = json.dumps({"commit": False})
         held = (self.store.compare_set(name, "", self.seal.sign(name, want)) if want is not None
                 else self.store.get(name))
-        try:  # a forged decision is no commit: the step runs again
-            decided = json.loads(self.seal.open(name, held) or "{}")
-        except ValueError:  # "abort"
-            decided = {}
+        decided = json.loads(self.seal.open(name, held) or "{}")  # a forged decision is no commit: the step runs again
         return bool(decided.get("commit")), {int(r): int(n) for r, n in decided.get("grow", {}).items()}
 
     # ---- re-forming the group ---------------------------------------------------------------------------------
@@ -176,7 +174,6 @@ class LiveGroup:
         replacements that are starting), re-form the process group with them, and heal the replacements from
         memory. A loss heard while the group forms gives it up for the next one. Raises LiveRecoveryError (no
         loss reported, this rank counted lost, the group not formed within ``timeout``)."""
-        started = time.monotonic()
         with self.heard:
             self.heard.wait_for(self.lost_members, timeout=LOSS_WAIT)
         if not self.lost_members():
@@ -184,7 +181,6 @@ class LiveGroup:
                 f"rank {self.me}: step {index} failed ({error!r}) and no peer was reported lost within "
                 f"{LOSS_WAIT:g} s: not a loss live recovery can heal") from error
         self.regroup(index, error)
-        self.recoveries[-1]["took"] = time.monotonic() - started
 
     def regroup(self, index: int, error: BaseException | None = None, grow: dict[int, int] | None = None) -> None:
         """Re-form the group at step ``index``: without the members lost, with the replacements starting for them
@@ -213,8 +209,6 @@ class LiveGroup:
         with self.heard:
             for r in joiners:
                 self.replacing.pop(r, None)
-        self.recoveries.append({"step": index, "lost": sorted(lost), "members": members, "generation": self.gen,
-                                "healed": sorted(joiners)})
 
     def _agree(self, gen: int, members: list[int], joiners: dict[int, int], error) -> tuple[list[int], dict]:
         """The members (and joiners) of generation ``gen``: the first proposal written to the store wins."""

@@ -156,7 +156,7 @@ class _Channel:
                     elif isinstance(msg, Notice):  # a worker of the job leaves: tell every rank
                         preemption.announce(msg)
                     elif isinstance(msg, PeerLost):  # a live job lost ranks: its group re-forms without them
-                        live.peer_lost(msg.ranks, msg.cause, msg.replaced, msg.joined)
+                        live.peer_lost(msg.ranks, msg.replaced, msg.joined)
             except (EOFError, OSError):
                 _die()
         threading.Thread(target=loop, name="dask-ddp-listener", daemon=True).start()
