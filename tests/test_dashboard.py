@@ -28,6 +28,7 @@ import dask_ddp
 from dask_ddp.dashboard import JOBS_TOPIC, publish
 from dask_ddp.dashboard.plugin import NAME
 from dask_ddp.dashboard.state import DashboardState, rank_rows
+from dask_ddp.wire.goodput import RANK_CATEGORIES
 
 STEP_TIMES = (0.05, 0.12)  # hand-fed telemetry: what each rank says its steps take
 COMPUTE = (0.01, 0.08)  # a real job: each rank's compute per step (sleep); rank 1 is the straggler, DDP's lockstep
@@ -370,6 +371,10 @@ def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
         assert [(lb["name"], lb["state"], lb["attempt"]) for lb, _ in got["dask_ddp_job_info"]
                 if lb["job"] == job.run_id] == [("watched", "RUNNING", "1")]
         assert "dask_ddp_gpu_utilization_percent" not in got  # no GPU: no series rather than zeros
+        shares = per_rank(got["dask_ddp_goodput_ratio"], job.run_id)
+        assert set(shares) == {0, 1} and all(0 <= v <= 1 for v in shares.values()), shares
+        spent = {(lb["rank"], lb["category"]) for lb, v in got["dask_ddp_goodput_seconds"] if lb["job"] == job.run_id}
+        assert spent == {(r, c) for r in "01" for c in RANK_CATEGORIES}, spent
 
         wait_until(lambda: per_rank([(lb, v) for lb, v in scrape(client).get("dask_ddp_straggler", [])
                                      if lb["cause"] == "compute"], job.run_id) == {1: 1.0}, timeout=120,
@@ -379,8 +384,10 @@ def test_the_page_and_metrics_follow_a_running_job(client, tmp_path):
         assert all(70 < _step_ms(t) < 2000 for t in ranks["step_time"]), ranks["step_time"]
         assert ranks["straggler"] == ["", "yes (compute)"], ranks["straggler"]
         assert all(m.endswith("MiB") for m in ranks["memory"]), ranks["memory"]
+        assert all(g.endswith(" %") for g in ranks["goodput"]), ranks["goodput"]
         jobs = _pull(client, "ddp-jobs")
         assert job.run_id in jobs["run"] and jobs["state"][jobs["run"].index(job.run_id)] == "RUNNING"
+        assert jobs["goodput"][jobs["run"].index(job.run_id)].endswith(" %"), jobs["goodput"]
         assert any("straggler: rank 1" in h[3] for h in job.history), job.history
     finally:
         open(stop, "w").close()

@@ -107,7 +107,8 @@ def test_every_property_works_the_same_on_a_local_a_detached_and_an_attached_job
     assert job.state in ("PENDING", "RUNNING", "FINISHED") and isinstance(job.history, list)
     assert job.wait(timeout=120) is True and job.done()
     assert job.result() == [0, 1] and job.state == "FINISHED"
-    assert [new for _, _, new, _ in job.history][-2:] == ["RUNNING", "FINISHED"]
+    assert [new for _, old, new, _ in job.history if old != new][-2:] == ["RUNNING", "FINISHED"]
+    assert list(job.goodput.index) == ["job", 0, 1] and job.goodput.loc[0, "productive_s"] > 0
     metrics = job.metrics
     assert len(metrics) == 2 * STEPS and list(metrics.columns[:5]) == ["rank", "attempt", "step", "time", "elapsed"]
     assert sorted(metrics["i"].unique()) == [float(i) for i in range(STEPS)]

@@ -136,6 +136,11 @@ def test_a_replacement_heals_from_the_survivors_memory_and_the_result_is_bitwise
         assert out[2]["pids"][0] not in (out[0]["pids"][0], out[1]["pids"][0])
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+        goodput = job.goodput  # the survivors' step rolled back is redone time, their re-forming recovery
+        print(goodput.round(3).to_string())
+        assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()
+        assert goodput.loc[2, "recovery_s"] > 0  # the place empty, then the replacement's start and heal
+        assert goodput.loc["job", "recovery_s"] > 0 and goodput.loc["job", "redone_s"] > 0
 
 
 def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path):
@@ -204,6 +209,11 @@ def test_a_replacement_lost_while_it_joins_is_replaced_again(tmp_path):
         assert [i for i, *_ in out[2]["runs"]] == list(range(10, STEPS))
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+        goodput = job.goodput  # the survivors' step rolled back is redone time, their re-forming recovery
+        print(goodput.round(3).to_string())
+        assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()
+        assert goodput.loc[2, "recovery_s"] > 0  # the place empty, then the replacement's start and heal
+        assert goodput.loc["job", "recovery_s"] > 0 and goodput.loc["job", "redone_s"] > 0
 
 
 def test_a_job_gone_smaller_takes_a_replacement_in_when_a_worker_comes(tmp_path):

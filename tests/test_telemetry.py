@@ -14,6 +14,8 @@ import dask
 import pytest
 from _cluster import run
 
+from dask_ddp.wire.goodput import RANK_CATEGORIES
+
 STEP_INPUT = 0.15  # seconds a slow loader sleeps per batch
 STEP_COMPUTE = 0.15  # seconds a slow step sleeps after its forward pass
 
@@ -97,7 +99,8 @@ def test_telemetry_fields_and_known_input_wait(client):
         item = steady[-1]
         expected = {"kind", "rank", "attempt", "time", "step", "steps", "step_time", "input_wait",
                     "collective_wait", "samples_per_s", "cpu_percent", "rss_bytes", "gpu_util", "gpu_mem_bytes",
-                    "gpu_mem_peak_bytes", "last_report_age"}
+                    "gpu_mem_peak_bytes", "last_report_age", "goodput_since", "goodput_step", "goodput_from",
+                    "joined", "final", *(f"goodput_{c}_s" for c in RANK_CATEGORIES)}
         assert set(item) == expected
         assert item["attempt"] == 0 and isinstance(item["rss_bytes"], int) and item["rss_bytes"] > 10_000_000
         assert item["gpu_util"] is None and item["gpu_mem_bytes"] is None  # CPU ranks

@@ -35,7 +35,7 @@ import re
 import time
 from typing import Any, NamedTuple, Sequence
 
-from dask_ddp.checkpoint import folder, riders
+from dask_ddp.checkpoint import folder, riders, stalls
 from dask_ddp.checkpoint.folder import Where, call, check_int, put
 from dask_ddp.wire.errors import DaskDDPError
 
@@ -147,9 +147,16 @@ def save_checkpoint(state: dict, step: int, *, directory: str | None = None, kee
     check_int("step", step, 0)
     if keep is not None:
         check_int("keep", keep, 1)
-    where = folder.where(directory, storage_options)
-    if not all_ranks and where.rank != 0:
-        return None
+    started = time.perf_counter()
+    try:
+        where = folder.where(directory, storage_options)
+        return _save(where, state, step, keep, all_ranks) if all_ranks or where.rank == 0 else None
+    finally:
+        stalls.count(time.perf_counter() - started)  # the training thread waited: the rank's goodput counts it
+
+
+def _save(where: Where, state: dict, step: int, keep: int | None, all_ranks: bool) -> str:
+    """Write ``state`` and its marker, prune; the URL written (see :func:`save_checkpoint`)."""
     import torch
 
     torch.save(riders.with_riders(state), buffer := io.BytesIO())  # may raise half-way: nothing written

@@ -359,7 +359,7 @@ class Controller:
 
     # ---- state ----------------------------------------------------------------------------------------------
     def _transition(self, state: str, cause: str) -> None:
-        self.record.transition(state, cause)
+        self.record.transition(state, cause, self.attempt)
         self._announce(state, self.attempt.plan if self.attempt else self.spec.first_plan)
 
     def _announce(self, state: str, plan) -> None:

@@ -26,6 +26,7 @@ gives the same events. dask-ddp must be installed where the scheduler runs
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -61,7 +62,7 @@ def _summary(record: JobRecord, plan) -> dict:
     """What a poll of the job reads besides its events (call under ``record.cond``)."""
     return {"state": record.state, "history": list(record.history), "plan": plan, "telemetry": dict(record.telemetry),
             "stragglers": dict(record.stragglers), "created": record.created, "dropped": dict(record.dropped),
-            "drop_reasons": dict(record.drop_reasons)}
+            "drop_reasons": dict(record.drop_reasons), "goodput": copy.deepcopy(record.goodput)}
 
 
 def _outcome(record: JobRecord) -> bytes:
@@ -330,6 +331,7 @@ class RemoteControl:
             record.telemetry, record.stragglers = snap.get("telemetry", {}), snap.get("stragglers", {})
             record.created = snap.get("created", record.created)
             record.dropped, record.drop_reasons = snap.get("dropped", {}), snap.get("drop_reasons", {})
+            record.goodput = snap.get("goodput", record.goodput)
             if snap["settled"]:
                 error, values = cloudpickle.loads(snap["outcome"])  # the values and a rank's error still pickled
                 record.error = error.load() if isinstance(error, PickledRankError) else error

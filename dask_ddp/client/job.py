@@ -25,6 +25,7 @@ import pandas as pd
 from dask_ddp.checkpoint.folder import job_folder
 from dask_ddp.client.attempt import Attempt
 from dask_ddp.client.control import Control, LocalControl
+from dask_ddp.client.goodput import COLUMNS as GOODPUT_COLUMNS
 from dask_ddp.client.record import ENDED, format_log
 from dask_ddp.observe.display import job_html, progress_text
 from dask_ddp.observe.progress import Progress
@@ -242,6 +243,19 @@ class Job:
         df["elapsed"] = seconds - self._record.created
         df["time"] = pd.to_datetime(seconds, unit="s", utc=True)
         return df[LEAD + [c for c in df.columns if c not in LEAD and c != "kind"]]
+
+    @property
+    def goodput(self) -> pd.DataFrame:
+        """Where the job's wall time went, so far: a DataFrame indexed by ``"job"`` then each rank, with the
+        seconds of productive steps, start-up, waiting for data, checkpoint stalls, recovery, steps redone and
+        other (``productive_s`` ... ``other_s``), their sum ``wall_s`` and ``goodput``, the productive share.
+
+        The job's row covers the wall time since ``dispatch.run``; a rank's row its place in each attempt. The
+        ranks' shares come from their telemetry: with ``ddp.telemetry.enabled: false`` the table has no rows.
+        ``docs/guide/metrics.md`` says what each category holds.
+        """
+        rows = self._record.goodput_rows() if self.spec.telemetry_interval is not None else []
+        return pd.DataFrame(rows, columns=GOODPUT_COLUMNS).set_index("rank")
 
     @property
     def dropped(self) -> dict[int, int]:

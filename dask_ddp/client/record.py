@@ -14,6 +14,7 @@ import time
 import warnings
 from collections import deque
 
+from dask_ddp.client import goodput as goodput_book
 from dask_ddp.wire.errors import DaskDDPWarning
 from dask_ddp.wire.events import EventLimits, item_size
 from dask_ddp.wire.notices import forged_note
@@ -71,6 +72,7 @@ class JobRecord:
         self.telemetry: dict[int, dict] = {}  # rank -> its latest telemetry item (not kept in ``events``)
         self.stragglers: dict[int, str] = {}  # rank -> the message that named it a straggler (this attempt)
         self.created = time.time()  # when the job was started: job.metrics's "elapsed" counts from here
+        self.goodput = goodput_book.GoodputBook(self.created)  # where the wall time went (job.goodput)
         self.error: BaseException | None = None
         self.values: list | None = None
         self.settled = False  # True once the end state is set and on_finish callbacks have run
@@ -83,6 +85,7 @@ class JobRecord:
             telemetry = [it for it in items if it.get("kind") == "telemetry"]
             if telemetry:  # a rank's latest only; its history is the scheduler's page's and the sinks' business
                 for it in telemetry:  # a window with no step has no step time: the last one known stays
+                    self.goodput.telemetry(it)
                     prev = self.telemetry.get(it["rank"])
                     if prev is not None and prev.get("attempt") == it.get("attempt"):
                         it = {**prev, **{k: v for k, v in it.items() if v is not None}}
@@ -189,6 +192,12 @@ class JobRecord:
         return (f"report() waited for room in the ranks' budgets (ddp.events.max-bytes-per-interval), {total:.1f} s "
                 f"in all ({ranks}); no report was lost")
 
+    def goodput_rows(self) -> list[dict]:
+        """Where the wall time went: the job's row then one per rank (see
+        :meth:`~dask_ddp.client.goodput.GoodputBook.rows`)."""
+        with self.cond:
+            return self.goodput.rows(time.time())
+
     def events_since(self, n: int, limit: int | None = None) -> tuple[list[dict], int]:
         """Events from number ``n`` on, at most ``limit`` (those dropped meanwhile are skipped), and the number
         after the last returned."""
@@ -199,11 +208,17 @@ class JobRecord:
             batch = list(itertools.islice(self.events, start, stop))
             return batch, first + start + len(batch)
 
-    def transition(self, new: str, cause: str) -> None:
-        """Move to state ``new``, keep it in ``history`` and log it with its cause."""
+    def transition(self, new: str, cause: str, attempt=None) -> None:
+        """Move to state ``new``, keep it in ``history`` and log it with its cause; ``attempt`` (an
+        :class:`~dask_ddp.client.attempt.Attempt`): the attempt that is running, whose start a move to
+        RUNNING marks."""
         with self.cond:
-            old, self.state = self.state, new
-            self.history.append((time.time(), old, new, cause))
+            old, self.state, now = self.state, new, time.time()
+            self.history.append((now, old, new, cause))
+            if new == "RUNNING" and attempt is not None:
+                self.goodput.launched(attempt.index, now, attempt.plan.world_size, self.top_step)
+            elif new != "RUNNING":
+                self.goodput.ended(now, job=new in ENDED)
             self.cond.notify_all()
         logger.info("job %s: %s -> %s (%s)", self.run_id, old, new, cause)
 
@@ -226,6 +241,11 @@ class JobRecord:
         waited = self.throttled_summary()
         if waited is not None and not self.settled:
             self.note(waited)
+        if not self.settled and self.goodput.procs:  # where the time went (known from telemetry): a fact, no warning
+            line = goodput_book.summary(self.goodput_rows()[0])
+            with self.cond:
+                self.history.append((time.time(), self.state, self.state, line))
+            logger.info("job %s: %s", self.run_id, line)
         with self.cond:
             self.settled = True
             self.cond.notify_all()

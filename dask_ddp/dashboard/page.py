@@ -38,9 +38,11 @@ RANK_COLUMNS = (("rank", "Rank", 50), ("worker", "Worker", 190), ("host", "Host"
                 ("step", "Step", 60), ("step_time", "Step time", 80), ("input_wait", "Input wait", 80),
                 ("collective_wait", "Collective wait", 100), ("samples_per_s", "Samples/s", 80),
                 ("cpu", "CPU", 60), ("memory", "Memory", 90), ("gpu", "GPU", 140), ("last_seen", "Last seen", 80),
-                ("dropped", "Dropped", 70), ("straggler", "Straggler", 90), ("checkpoint", "Checkpoint", 220))
+                ("dropped", "Dropped", 70), ("straggler", "Straggler", 90), ("goodput", "Goodput", 70),
+                ("checkpoint", "Checkpoint", 220))
 JOB_COLUMNS = (("name", "Job", 160), ("run", "Run id", 220), ("state", "State", 90), ("attempt", "Attempt", 60),
-               ("ranks", "Ranks", 50), ("dropped", "Dropped", 70), ("started", "Started", 150))
+               ("ranks", "Ranks", 50), ("goodput", "Goodput", 70), ("dropped", "Dropped", 70),
+               ("started", "Started", 150))
 
 
 def _seconds(v):
@@ -80,6 +82,7 @@ def rank_table(job: JobView, now: float) -> dict[str, list[str]]:
         "last_seen": ["" if v is None else f"{v:.0f} s ago" for v in rows["last_seen"]],
         "dropped": [str(v) if v else "" for v in rows["dropped"]],
         "straggler": [f"yes ({c})" if c else "" for c in rows["straggler"]] if n else [],
+        "goodput": [_share(v) for v in rows["goodput"]],
         "checkpoint": [checkpoint_text(*c) for c in zip(rows["ckpt_step"], rows["ckpt_stall_s"], rows["ckpt_upload_s"],
                                                          rows["ckpt_bytes"], rows["ckpt_mb_s"])],
     }
@@ -141,7 +144,8 @@ class DDPPage:
             job = self._pick(jobs)
             jobs_data = {"name": [j.name for j in jobs], "run": [j.run for j in jobs],
                          "state": [j.state for j in jobs], "attempt": [str(j.attempt + 1) for j in jobs],
-                         "ranks": [str(len(j.ranks)) for j in jobs], "started": [_stamp(j.started) for j in jobs],
+                         "ranks": [str(len(j.ranks)) for j in jobs],
+                         "goodput": [_share(j.goodput) for j in jobs], "started": [_stamp(j.started) for j in jobs],
                          "dropped": [str(j.dropped) if j.dropped else "" for j in jobs]}
             if job is not None:
                 detail, ranks, lines = _detail(job), rank_table(job, now), _lines(job)

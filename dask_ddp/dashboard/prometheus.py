@@ -7,7 +7,8 @@ schedulers, one after another). Jobs that ended are not exported: their series s
 of things that are gone. Labels: ``job`` (the run id) and ``rank``; ``dask_ddp_rank_info`` adds ``worker``,
 ``host`` and ``device``, and ``dask_ddp_job_info`` the job's ``name``, ``state`` and ``attempt``. Running sweeps:
 ``dask_ddp_sweep_trials{sweep,state}``, ``dask_ddp_sweep_busy_workers``, ``dask_ddp_sweep_workers`` and
-``dask_ddp_sweep_occupancy_ratio`` (label ``sweep``).
+``dask_ddp_sweep_occupancy_ratio`` (label ``sweep``). Goodput: ``dask_ddp_goodput_ratio`` and
+``dask_ddp_goodput_seconds{job,rank,category}``, the rank process's ledger (:mod:`dask_ddp.wire.goodput`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import weakref
 
 from dask_ddp.dashboard.state import DashboardState, rank_rows
+from dask_ddp.wire.goodput import RANK_CATEGORIES
 
 __all__ = ["DDPCollector", "register", "GAUGES"]
 
@@ -41,6 +43,7 @@ GAUGES = (
     ("dask_ddp_checkpoint_upload_seconds", "ckpt_upload_s", "Seconds the rank's shards of it took to upload"),
     ("dask_ddp_checkpoint_bytes", "ckpt_bytes", "Bytes the rank wrote in it"),
     ("dask_ddp_checkpoint_megabytes_per_second", "ckpt_mb_s", "The rank's upload throughput in it (1e6 bytes/s)"),
+    ("dask_ddp_goodput_ratio", "goodput", "Productive share of the rank process's time since its task started"),
 )
 
 _STATES: "weakref.WeakSet[DashboardState]" = weakref.WeakSet()
@@ -64,6 +67,9 @@ class DDPCollector:
                                       labels=["job", "rank", "worker", "host", "device"])
         job_info = GaugeMetricFamily("dask_ddp_job_info", "Each running job (always 1)",
                                      labels=["job", "name", "state", "attempt"])
+        spent = GaugeMetricFamily("dask_ddp_goodput_seconds", "Seconds of the rank process by category (productive, "
+                                  "startup, data, checkpoint, recovery, redone) since its task started",
+                                  labels=["job", "rank", "category"])
         sweep_families = _sweep_families(GaugeMetricFamily)
         now = time.time()
         for state in list(_STATES):
@@ -75,9 +81,11 @@ class DDPCollector:
                     if job.ended:
                         continue
                     job_info.add_metric([job.run, job.name, job.state, str(job.attempt + 1)], 1)
-                    _add_ranks(families, straggler, rank_info, job.run, rank_rows(job, now))
+                    rows = rank_rows(job, now)
+                    _add_ranks(families, straggler, rank_info, job.run, rows)
+                    _add_goodput(spent, job.run, rows)
         # only families with samples: a scheduler without a running dask-ddp job shows no dask_ddp_ lines
-        yield from (f for f in (*families.values(), straggler, rank_info, job_info, *sweep_families.values())
+        yield from (f for f in (*families.values(), straggler, rank_info, job_info, spent, *sweep_families.values())
                     if f.samples)
 
 
@@ -108,6 +116,14 @@ def _add_ranks(families, straggler, rank_info, run: str, rows: dict) -> None:
         cause = rows["straggler"][i]
         straggler.add_metric(labels + [cause or ""], 1.0 if cause else 0.0)
         rank_info.add_metric(labels + [rows[k][i] or "" for k in ("worker", "host", "device")], 1)
+
+
+def _add_goodput(spent, run: str, rows: dict) -> None:
+    for i, rank in enumerate(rows["rank"]):
+        for category in RANK_CATEGORIES:
+            value = rows[f"goodput_{category}_s"][i]
+            if value is not None:
+                spent.add_metric([run, str(rank), category], float(value))
 
 
 def register(state: DashboardState) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from dask_ddp.dashboard.jobs import JOB_TOPIC_PREFIX, JOBS_TOPIC
 from dask_ddp.wire.events import items_of, unpack
+from dask_ddp.wire.goodput import RANK_CATEGORIES, checked, ratio
 
 __all__ = ["DashboardState", "JobView", "RankView", "ENDED", "rank_rows"]
 
@@ -58,6 +59,7 @@ class RankView:
     history: deque = field(default_factory=lambda: deque(maxlen=120))  # (unix time, step time s)
     straggler: str | None = None  # "input" or "compute" once the job named it a straggler
     dropped: int = 0  # reports and lines its limits dropped this attempt (ddp.events.max-*)
+    goodput: dict = field(default_factory=dict)  # its process's latest ledger: {category: seconds}
 
 
 @dataclass
@@ -87,6 +89,15 @@ class JobView:
     @property
     def ended(self) -> bool:
         return self.state in ENDED
+
+    @property
+    def goodput(self) -> float | None:
+        """The productive share of the current ranks' processes' time together (None before any ledger)."""
+        together: dict[str, float] = {}
+        for view in self.ranks.values():
+            for k, v in view.goodput.items():
+                together[k] = together.get(k, 0.0) + v
+        return ratio(together)
 
 
 class DashboardState:
@@ -217,6 +228,7 @@ class DashboardState:
         if view is None:
             return False
         view.telemetry = {k: item.get(k) for k in TELEMETRY_FIELDS}
+        view.goodput = checked(item) or view.goodput  # a rank's code could send anything
         at = item.get("time")
         if item.get("step") is not None:
             view.step = item["step"]
@@ -280,19 +292,24 @@ def _max(a, b):
 def rank_rows(job: JobView, now: float | None = None) -> dict[str, list]:
     """The per-rank table of ``job`` as columns (one entry per rank, in rank order); call under the state's lock.
 
-    ``last_seen`` is seconds since the rank's latest item; missing values are None (the page shows blanks).
+    ``last_seen`` is seconds since the rank's latest item; ``goodput`` the productive share of its process's
+    time and ``goodput_<category>_s`` its seconds in each category; missing values are None (the page shows
+    blanks).
     """
     now = time.time() if now is None else now
     views = [job.ranks[r] for r in sorted(job.ranks)]
     cols: dict[str, list] = {k: [] for k in ("rank", "worker", "host", "device", "step", "last_seen", "straggler",
-                                             "dropped", *TELEMETRY_FIELDS)}
+                                             "dropped", "goodput", *TELEMETRY_FIELDS,
+                                             *(f"goodput_{c}_s" for c in RANK_CATEGORIES))}
     for v in views:
         t = v.telemetry
         device = v.device or (None if not t else "cuda" if t.get("gpu_mem_bytes") is not None else "cpu")
         for key, value in (("rank", v.rank), ("worker", v.worker), ("host", v.host), ("device", device),
                            ("step", v.step), ("last_seen", None if v.seen is None else max(0.0, now - v.seen)),
-                           ("straggler", v.straggler), ("dropped", v.dropped)):
+                           ("straggler", v.straggler), ("dropped", v.dropped), ("goodput", ratio(v.goodput))):
             cols[key].append(value)
+        for c in RANK_CATEGORIES:
+            cols[f"goodput_{c}_s"].append(v.goodput.get(c))
         for key in TELEMETRY_FIELDS:
             cols[key].append(t.get(key))
     return cols

@@ -34,8 +34,10 @@ back to a restart), a collective of the user's own blocked on a hung peer (only 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterator
 
+from dask_ddp.rank import goodput
 from dask_ddp.rank.live_group import LiveGroup, LiveRecoveryError, StepAborted
 from dask_ddp.wire.notices import Seal
 
@@ -84,8 +86,10 @@ class LiveStep:
         self.grow: dict[int, int] = {}
         self.batch: Any = None  # the step's batch, when live_steps was given a loader
         self.rewind: Any = None  # puts the loader back where the step began
+        self.began = time.perf_counter()  # when the block was entered (the rank's goodput)
 
     def __enter__(self) -> "LiveStep":
+        self.began = time.perf_counter()
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -96,14 +100,19 @@ class LiveStep:
                 exc = err
         if exc is None and self.committed:
             if self.grow:  # replacements of ranks the group went on without: taken in before the next step
+                started = time.perf_counter()
                 self._live.regroup(self.index + 1, grow=self.grow)
+                goodput.add("recovery", time.perf_counter() - started)
             return False
         if exc is not None and not _lost_peer(exc):
             return False  # the code's own error: raised as ever
         self.committed = False
+        started = time.perf_counter()
+        goodput.add("redone", started - self.began)  # the rank's goodput: this step runs again
         if self.rewind is not None:  # the loader back to where this step began: a replacement is sent that
             self.rewind()
         self._live.recover(self.index, exc)
+        goodput.add("recovery", time.perf_counter() - started)
         return True
 
     def __repr__(self) -> str:
@@ -138,8 +147,11 @@ def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
                                 "recovery=\"live\"); this rank has no live group")
     params = [p for p in model.parameters() if p.requires_grad]
     live.attach(model, optimizer, loader)
+    goodput.began()
     if live.joining:  # a replacement: the step, model, optimizer and loader come from the survivors' memory
+        started = time.perf_counter()
         start = live.join()
+        goodput.add("recovery", time.perf_counter() - started)
     own_step, current = optimizer.step, [LiveStep(live, start, 1)]
     batches = _Batches(loader, live)
 

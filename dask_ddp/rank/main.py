@@ -180,7 +180,8 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
     the other ranks' collectives, and their errors must not reach the supervisors before this rank's own."""
     spec = task.rank
     buf = reporting.EventBuffer(spec.rank, task.attempt, task.limits)
-    sampler = telemetry.start(spec.rank, task.attempt, task.telemetry_interval) if task.telemetry_interval else None
+    sampler = (telemetry.start(spec.rank, task.attempt, task.telemetry_interval, task.joined)
+               if task.telemetry_interval else None)
     flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval,
                                                sampler)
     joined: list[Joined] = []

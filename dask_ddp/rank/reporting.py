@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any, Callable
 
 from dask_ddp.checkpoint.sharded import background as _sharded_async
+from dask_ddp.rank import goodput
 from dask_ddp.rank import preemption as _preemption
 from dask_ddp.rank.context import get_context
 from dask_ddp.wire.errors import NotInRankError
@@ -235,6 +236,7 @@ def report(metrics: dict | None = None, /, *, step: int | None = None, **values:
                  "outside a dask-ddp rank: call it inside the function you pass to dask_ddp.dispatch.run(client, "
                  "fn, ...)")
         raise NotInRankError(f"report() was called {where}")
+    goodput.began()  # a loop with no loader or DDP model: its first report ends start-up
     if metrics:
         for key in metrics:
             if not isinstance(key, str):

@@ -25,6 +25,10 @@ Where the numbers come from, with no user code:
 - **Checkpoints**: the latest ``save_sharded`` of the rank: its step, the
   training stall, the wait for the previous async save, the upload's seconds,
   bytes and MB/s (:func:`checkpoint_fields`; absent before the first).
+- **Goodput**: the rank's ledger (:mod:`dask_ddp.rank.goodput`): ``goodput_<category>_s``, its seconds since
+  the task started (``goodput_since``, unix time), with ``goodput_step`` and ``goodput_from`` (the last and
+  the first step reported, None before a report), ``joined`` (the process's ``RankTask.joined``) and
+  ``final`` (the rank's last item).
 
 ``ddp.telemetry.enabled: false`` turns all of it off (no patching, no items).
 """
@@ -33,6 +37,9 @@ from __future__ import annotations
 
 import time
 from typing import Any, Iterable, Iterator
+
+from dask_ddp.rank import goodput
+from dask_ddp.wire.goodput import fields
 
 __all__ = ["Sampler", "Counters", "COUNTERS", "timed", "start"]
 
@@ -101,6 +108,7 @@ def timed(iterable: Iterable) -> Iterator:
     clock = time.perf_counter
     while True:
         t0 = clock()
+        goodput.began(t0)
         try:
             item = next(it)
         except StopIteration:
@@ -121,6 +129,7 @@ def _patch_dataloader() -> None:
 
     def __next__(self):
         t0 = clock()
+        goodput.began(t0)  # the first batch asked for starts the first step
         batch = original(self)  # StopIteration passes through uncounted
         t1 = clock()
         _count_batch(batch, t1 - t0, t1)
@@ -147,16 +156,18 @@ class Sampler:
     drained batch of items, which appends a telemetry item when one is due.
     """
 
-    def __init__(self, rank: int, attempt: int, interval: float = 1.0, counters: Counters = COUNTERS):
+    def __init__(self, rank: int, attempt: int, interval: float = 1.0, counters: Counters = COUNTERS,
+                 joined: int = 0):
         import psutil
 
-        self.rank, self.attempt, self.interval, self.c = rank, attempt, interval, counters
+        self.rank, self.attempt, self.interval, self.c, self.joined = rank, attempt, interval, counters, joined
         self.device = None  # set once the rank has its device (a torch.device or None)
         self.proc = psutil.Process()
         self.proc.cpu_percent()  # the first call starts psutil's CPU clock
         self._prev = _Window()
         self._last_sample = time.monotonic()
         self._step = None  # the last step the rank reported
+        self._first_step = None  # ... and the first
         self._report_steps = 0  # distinct reported steps so far
         self._report_time = None  # time.time() of the last report
         self._report_mark = None  # perf_counter() when the last report was observed
@@ -175,6 +186,7 @@ class Sampler:
                 if item["step"] != self._step:
                     self._report_steps += 1
                     self._step = item["step"]
+                    self._first_step = item["step"] if self._first_step is None else self._first_step
                 self._report_time, reported = item["time"], True
         if reported:  # the last report's time on the step clock (perf_counter)
             self._report_mark = time.perf_counter() - max(0.0, time.time() - self._report_time)
@@ -208,6 +220,10 @@ class Sampler:
                 "last_report_age": None if self._report_time is None else max(0.0, time.time() - self._report_time)}
         item.update(self._gpu())
         item.update(checkpoint_fields())
+        ledger = goodput.LEDGER
+        item.update(fields(ledger.split(c.input_wait)), goodput_since=ledger.since, goodput_step=self._step,
+                    goodput_from=self._first_step,
+                    joined=self.joined, final=final)
         if steps:  # a step longer than the window: its collective wait adds up until it ends
             p.coll_wait = c.coll_wait
         return item
@@ -291,10 +307,12 @@ def checkpoint_fields() -> dict:
             "ckpt_upload_s": last.get("upload_s"), "ckpt_bytes": last.get("bytes"), "ckpt_mb_s": last.get("mb_s")}
 
 
-def start(rank: int, attempt: int, interval: float) -> Sampler:
-    """Instrument this rank process (DataLoader iterators, DDP's comm hook) and return its sampler."""
+def start(rank: int, attempt: int, interval: float, joined: int = 0) -> Sampler:
+    """Instrument this rank process (DataLoader iterators, DDP's comm hook), start its goodput ledger and return
+    its sampler; ``joined``: the process's ``RankTask.joined`` (a live replacement's number, else 0)."""
     from dask_ddp.rank import collectives
 
+    goodput.LEDGER.reset(COUNTERS.input_wait)
     _patch_dataloader()
     collectives.patch_ddp(COUNTERS)
-    return Sampler(rank, attempt, interval)
+    return Sampler(rank, attempt, interval, joined=joined)

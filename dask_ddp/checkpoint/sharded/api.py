@@ -29,7 +29,7 @@ import contextlib
 import time
 import warnings
 
-from dask_ddp.checkpoint import folder, riders
+from dask_ddp.checkpoint import folder, riders, stalls
 from dask_ddp.checkpoint.sharded import background as sharded_async
 from dask_ddp.checkpoint.sharded import folder as sharded_folder
 from dask_ddp.checkpoint.sharded import reader as dcp_reader
@@ -90,11 +90,15 @@ def save_sharded(state: dict, step: int, *, directory: str | None = None, keep: 
     sharded_state.check_agreement(flat, sharded_async.control_group())
     if async_save:
         staged = sharded_async.stage(flat)
+        stall = time.perf_counter() - started
+        stalls.count(stall + waited)  # the training thread's part, for the rank's goodput
         sharded_async.submit(lambda: _write(where, staged, step, keep, sharded_async.control_group()),
-                             step=step, stall=time.perf_counter() - started, waited=waited)
+                             step=step, stall=stall, waited=waited)
         return None
     writer = _write(where, flat, step, keep, None)
-    sharded_async.record(step, writer, stall=time.perf_counter() - started, waited=waited, background=False)
+    stall = time.perf_counter() - started
+    stalls.count(stall + waited)
+    sharded_async.record(step, writer, stall=stall, waited=waited, background=False)
     return f"{sharded_folder.base(where)[1]}/{writer.folder}"
 
 
