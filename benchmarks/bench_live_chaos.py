@@ -29,6 +29,8 @@ Figures, from the logs and the driver's kill times:
 * efficiency: the highest step committed by the end over the clean run's; the ideal loses one step per
   failure.
 * replacement back (live): the kill to the replacement's first commit.
+* job.goodput (the dask-ddp ways): the job's own ledger at the end of the chaos run (issue 42 item 6): its
+  productive share of the wall time, and the seconds it counted as recovery and as steps redone.
 """
 
 from __future__ import annotations
@@ -200,13 +202,14 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
             victim = 3 - victim
     ended = time.time()
     history = list(job.history) if job is not None else []
+    spent = job.goodput.loc["job"].to_dict() if job is not None else {}  # dask-ddp's own ledger of the time
     stop()
     if way == "torchrun":
         proc.wait(timeout=60)
     else:
         client.close()
         cluster.close()
-    return _figures(_events(log_dir), kills, began, ended, history)
+    return {**_figures(_events(log_dir), kills, began, ended, history), "goodput": spent}
 
 
 def _figures(events: list[dict], kills: list, began: float, ended: float, history: list) -> dict:
@@ -271,7 +274,9 @@ def main() -> None:
                    "to_next_p95": _p95(chaos["to_next"]), "redone": chaos["redone"],
                    "detect_median": statistics.median(chaos["detect"]) if chaos["detect"] else None,
                    "back_median": statistics.median(chaos["back"]) if chaos["back"] else None,
-                   "efficiency": chaos["top"] / expected if expected else None, "ideal": ideal}
+                   "efficiency": chaos["top"] / expected if expected else None, "ideal": ideal,
+                   "goodput": chaos["goodput"].get("goodput"),
+                   "recovery_s": chaos["goodput"].get("recovery_s"), "redone_s": chaos["goodput"].get("redone_s")}
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
@@ -289,13 +294,15 @@ def _write(path: Path, rows: list[dict], args) -> None:
              f"{datetime.date.today()}, the 2-core machine (shared: figures vary by ~30 % from run to run). "
              "How each figure is taken: the script's docstring.", "",
              "| way | clean steps/s | kills | failure to next committed step, median / p95 | steps redone per "
-             "failure | detection, median | replacement back, median | efficiency (ideal) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "failure | detection, median | replacement back, median | efficiency (ideal) | job.goodput: "
+             "productive share, recovery, redone |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['way']} | {f(r['clean_steps_per_s'], '{:.1f}')} | {r['kills']} | "
                      f"{f(r['to_next_median'])} / {f(r['to_next_p95'])} | {', '.join(map(str, r['redone'])) or 'n/a'} "
                      f"| {f(r['detect_median'])} | {f(r['back_median'])} | {f(r['efficiency'], '{:.1%}')} "
-                     f"({f(r['ideal'], '{:.1%}')}) |")
+                     f"({f(r['ideal'], '{:.1%}')}) | {f(r['goodput'], '{:.1%}')}, {f(r['recovery_s'])}, "
+                     f"{f(r['redone_s'])} |")
     lines += ["", "Raw rows:", "", "```", *(json.dumps(r) for r in rows), "```", ""]
     path.write_text("\n".join(lines))
 

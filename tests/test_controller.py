@@ -242,6 +242,24 @@ def test_a_silent_worker_counts_as_lost_after_the_worker_timeout():
     assert ctl.silence.silent.keys() == {silent}
 
 
+def test_a_silent_free_worker_gets_no_work_until_its_heartbeat_moves_again():
+    """A free worker on a host cut off is as silent as the ranks' own: no replacement, restart or growth may
+    be planned on it (a live job's spare would never start there); it may again once it is heard."""
+    ctl, cluster, clock, record = make(n_workers=4, workers=3, worker_timeout=6)
+    ranks = [cluster.task(r).rank.address for r in range(3)]
+    free = next(a for a in cluster.scheduler_workers if a not in ranks)
+    for _ in range(5):
+        cluster.heartbeat(*ranks)
+        clock.t += 2
+        ctl.step(0)
+    assert not ctl.silence.heard(free) and all(ctl.silence.heard(a) for a in ranks)
+    assert ctl.attempt.outcomes == {}  # no rank lost: the free worker is no rank's
+    cluster.heartbeat(*ranks, free)
+    clock.t += 2
+    ctl.step(0)
+    assert ctl.silence.heard(free)
+
+
 def test_nobody_counts_as_silent_while_no_heartbeat_moves():
     ctl, cluster, clock, record = make(worker_timeout=6)
     for _ in range(10):  # a frozen scheduler (or client): no heartbeat moves at all

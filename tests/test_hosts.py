@@ -18,6 +18,7 @@ import traceback
 import dask
 import psutil
 import pytest
+import torch
 from _cluster import (
     elastic_job_past_its_first_checkpoint,
     first_step_after_restart,
@@ -259,8 +260,13 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
     assert [o[:2] for o in out] == [(4, 1)] * 4 and all(o[2] >= 1 for o in out), "resumed from a checkpoint"
     assert all((o[3] == out[0][3]).all() for o in out)
     assert client_peers(hosts) <= {hosts.scheduler_address}
-    # the link is back: the host's workers serve the scheduler again, or (when their connection to the
-    # scheduler broke meanwhile and they closed themselves) start again as a node's supervisor would start them
+    _back_to_six(hosts, client, victim)
+
+
+def _back_to_six(hosts, client, victim) -> None:
+    """The link is back: the host's workers serve the scheduler again, or (when their connection to the
+    scheduler broke meanwhile and they closed themselves) start again as a node's supervisor would start them;
+    then a 6-rank job runs (the module's later tests need all six)."""
     t_back = time.time()
     procs = hosts.host_procs[victim.index]
     came = wait_until(lambda: "rejoined" if _fresh(client, victim, hosts) == 2 else
@@ -275,6 +281,66 @@ def test_host_cut_off_mid_job_resumes_on_the_hosts_left(three_hosts, tmp_path):
                what="6 live workers, 2 per host")
     print(f"all 6 workers live again {time.time() - t_back:.1f} s after the link came back")
     assert run(client, all_reduce_one).result(timeout=300) == [6] * 6
+
+
+def train_live(steps: int, step_s: float):
+    """A live loop (issue 42): the plain module, momentum SGD, data drawn from (step, group rank)."""
+    import torch
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    runs = []
+    for step in dask_ddp.live_steps(steps, model=net, optimizer=opt):
+        with step:
+            runs.append((step.index, step.world_size))
+            g = torch.Generator().manual_seed(1000 * step.index + step.rank)
+            x = torch.randn(16, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            dask_ddp.report(step=step.index, loss=loss.item())
+            time.sleep(step_s)
+    return {"rank": ctx.rank, "worker": ctx.worker, "pid": os.getpid(), "runs": runs,
+            "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+
+
+def test_host_cut_off_mid_live_job_costs_one_step_and_a_spare_on_another_host_takes_its_place(three_hosts):
+    """A live job (issue 42) of 3 ranks, one per host; h3's link goes down at step 8: no FIN ever comes, rank
+    2's worker goes silent (ddp.worker-timeout), the survivors blocked in their all-reduce are released by the
+    recovery, keep their processes and redo at most one step; the replacement starts on a free worker of a host
+    still reachable (never on h3's other worker, as silent as rank 2's) and heals from their memory; the job ends
+    at its full size with parameters bitwise equal to a run without the cut."""
+    hosts, client = three_hosts, three_hosts.client
+    victim, ranks, steps = hosts.hosts[2], ["h1-w0", "h2-w0", "h3-w0"], 30
+    clean = run(client, train_live, steps, 0.0, workers=ranks, recovery="live").result(timeout=300)
+    job = run(client, train_live, steps, 0.25, workers=ranks, recovery="live", stall_timeout=120)
+    try:
+        wait_until(lambda: len(job.metrics) and job.metrics["step"].max() >= 8, 120, what="step 8")
+        t_cut = time.time()
+        hosts.cut(victim)
+        wait_until(lambda: any("its replacement starts on" in h[3] for h in job.history) or job.done(), 120,
+                   what="the live recovery")
+        when, *_, cause = next(h for h in job.history if "live recovery" in h[3])
+        print(f"host cut off: live recovery {when - t_cut:.2f} s later ({cause})")
+    finally:  # back as soon as the job went on without it (the cut well under the TCP timeout, see TCP_TIMEOUT):
+        hosts.restore(victim)  # its stale rank hears again and must not disturb the group that left it behind
+    print(f"host cut off for {time.time() - t_cut:.1f} s")
+    out = job.result(timeout=300)
+    print(f"history: {[h[3] for h in job.history]}")
+    assert job.state == "FINISHED" and [o["rank"] for o in out] == [0, 1, 2]
+    assert hosts.host_of(out[2]["worker"]) is not victim, out[2]["worker"]
+    for o in out[:2]:  # the survivors: one process each, every step committed, at most one redone
+        indices = [i for i, _ in o["runs"]]
+        assert sorted(set(indices)) == list(range(steps)) and len(indices) - steps <= 1, indices
+        assert {w for _, w in o["runs"]} == {3}  # they waited for the replacement: never smaller
+    for a, b in zip(out, clean):
+        assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+    assert not any(h[2] == "RESTARTING" for h in job.history), job.history
+    assert job.goodput.loc["job", "recovery_s"] > 0
+    _back_to_six(hosts, client, victim)
 
 
 def _fresh(client, host, hosts) -> int:

@@ -75,11 +75,11 @@ class Flag:
         self.value = True
 
 
-def rule(poll=1.0, orphaned=False, notice=None):
+def rule(poll=1.0, orphaned=False, notice=None, alone=False):
     now = [100.0]
     flag = Flag()
     cancel = Flag()
-    r = StopRule(flag, cancel, poll, lambda: orphaned, lambda: notice, clock=lambda: now[0])
+    r = StopRule(flag, cancel, poll, lambda: orphaned, lambda: notice, clock=lambda: now[0], alone=alone)
     r.cancel_flag = cancel
     return r, flag, now
 
@@ -107,6 +107,13 @@ def test_an_orphaned_rank_stops_and_stops_the_others_even_during_a_preemption():
     assert r.aborted() and r.reason == ORPHANED and flag.value
     r, flag, _ = rule(orphaned=True, notice=Notice(time.time() + 60, "leaving"))
     assert r.aborted() and r.reason == ORPHANED
+
+
+def test_an_orphaned_live_rank_stops_alone():
+    """A live job's rank (not 0) whose task the controller cancelled (it went on without it): the rank stops,
+    the others keep training (a worker back from a cut must not stop the group that left its rank behind)."""
+    r, flag, _ = rule(orphaned=True, alone=True)
+    assert r.aborted() and r.reason == ORPHANED and not flag.value
 
 
 def test_a_preemption_in_progress_holds_the_abort_until_its_deadline_but_not_a_cancel():

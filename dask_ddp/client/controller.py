@@ -371,7 +371,7 @@ class Controller:
     def _usable_workers(self) -> dict[str, dict]:
         """The scheduler's workers a plan may use: running (not retiring or closing), neither silent nor departed."""
         return {a: info for a, info in self.cluster.workers().items() if info.get("status", "running") == "running"
-                and a not in self.silence.silent and a not in self.departed}
+                and self.silence.heard(a) and a not in self.departed}
 
     # ---- acting --------------------------------------------------------------------------------------------
     def _abort(self, cause: str, cancel: bool = False) -> None:

@@ -39,6 +39,7 @@ class SilenceWatch:
         self._changed: dict[str, tuple[float, float]] = {}  # address -> (last_seen, local time it changed)
         self._checked = float("-inf")
         self.silent: dict[str, float] = {}  # address -> seconds of silence when it was declared lost
+        self.quiet: set[str] = set()  # every worker (a rank's or a free one) silent past the limit at the last check
 
     def due(self, now: float) -> bool:
         """Whether a check is due at ``now`` (``time.monotonic()``): at most once per ``every`` seconds."""
@@ -54,7 +55,9 @@ class SilenceWatch:
         limit = max(self.timeout, 4 * _heartbeat_interval(len(workers)))
         # the scheduler still hears some worker (a silent one is never among them): else nobody counts as silent
         if not any(now - t < limit / 2 for a, (_, t) in self._changed.items() if a in workers):
+            self.quiet = set()
             return {}
+        self.quiet = {a for a, (_, t) in self._changed.items() if a in workers and now - t > limit}
         found = {}
         for address in addresses:
             if address in self.silent or address not in workers or address not in self._changed:
@@ -63,3 +66,8 @@ class SilenceWatch:
             if quiet > limit:
                 self.silent[address] = found[address] = quiet
         return found
+
+    def heard(self, address: str) -> bool:
+        """Whether ``address`` may be given work: never declared lost, and not silent at the last check (a free
+        worker on a host cut off is as silent as the ranks' own: no replacement goes there)."""
+        return address not in self.silent and address not in self.quiet

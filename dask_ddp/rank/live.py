@@ -78,8 +78,9 @@ class LiveStep:
     step was applied on every rank of the group).
     """
 
-    def __init__(self, live: LiveGroup, index: int, attempts: int) -> None:
+    def __init__(self, live: LiveGroup, index: int, attempts: int, pace: list | None = None) -> None:
         self._live, self.index, self.attempts = live, index, attempts
+        self.pace = [None] if pace is None else pace  # [a committed step's typical seconds], shared by the loop
         self.rank, self.world_size = live.rank, len(live.members)
         self.committed = False
         self.voted = False
@@ -99,6 +100,8 @@ class LiveStep:
             except RuntimeError as err:  # the store or the group failed: a loss decides below
                 exc = err
         if exc is None and self.committed:
+            took, typical = time.perf_counter() - self.began, self.pace[0]
+            self.pace[0] = took if typical is None else 0.8 * typical + 0.2 * took
             if self.grow:  # replacements of ranks the group went on without: taken in before the next step
                 started = time.perf_counter()
                 self._live.regroup(self.index + 1, grow=self.grow)
@@ -108,7 +111,10 @@ class LiveStep:
             return False  # the code's own error: raised as ever
         self.committed = False
         started = time.perf_counter()
-        goodput.add("redone", started - self.began)  # the rank's goodput: this step runs again
+        spent = started - self.began  # the rank's goodput: the step's own time is redone, the wait past it (a
+        redone = min(spent, self.pace[0] or spent)  # collective blocked until the loss was heard) recovery
+        goodput.add("redone", redone)
+        goodput.add("recovery", spent - redone)
         if self.rewind is not None:  # the loader back to where this step began: a replacement is sent that
             self.rewind()
         self._live.recover(self.index, exc)
@@ -152,7 +158,8 @@ def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
         started = time.perf_counter()
         start = live.join()
         goodput.add("recovery", time.perf_counter() - started)
-    own_step, current = optimizer.step, [LiveStep(live, start, 1)]
+    pace: list = [None]
+    own_step, current = optimizer.step, [LiveStep(live, start, 1, pace)]
     batches = _Batches(loader, live)
 
     def step(*args, **kwargs):
@@ -170,7 +177,7 @@ def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
     try:
         index, attempts = start, 1
         while index < total:
-            current[0] = s = LiveStep(live, index, attempts)
+            current[0] = s = LiveStep(live, index, attempts, pace)
             s.batch, s.rewind = batches.next()
             yield s
             if s.committed:

@@ -12,9 +12,11 @@ its task started, in each of :data:`RANK_CATEGORIES`. They add up to the process
 - ``data``: waiting for batches (the telemetry's input wait);
 - ``checkpoint``: the training thread inside ``save_checkpoint`` and ``save_sharded`` (an async save's upload
   runs behind the training and is not counted);
-- ``recovery``: a live recovery (re-forming the group, healing a replacement, taking one in);
-- ``redone``: steps run again: a live step rolled back (its time up to the loss); after a restart, the steps
-  up to the highest one reported before it (counted by the client, which knows the earlier attempts);
+- ``recovery``: a live recovery (re-forming the group, healing a replacement, taking one in), and the wait of
+  a rolled-back step past a committed step's typical time (a collective blocked until the loss was heard);
+- ``redone``: steps run again: a live step rolled back (its time up to a committed step's typical time, an
+  average of the latest); after a restart, the steps up to the highest one reported before it (counted by the
+  client, which knows the earlier attempts);
 - ``productive``: the rest of the time after the first step.
 
 The client adds :data:`OTHER` for the time no rank process accounts for (before a process started, between

@@ -32,12 +32,15 @@ class StopRule:
 
     ``abort``: the attempt's abort flag (``is_set()``, ``set()``); ``cancel``: the flag ``cancel()`` sets too
     (``is_set()``); ``orphaned()``: whether the rank's task is unwanted; ``notice()``: the preemption notice the
-    rank saves for, or None.
+    rank saves for, or None; ``alone``: an orphaned rank stops alone, without the attempt's abort (a live job's
+    rank other than 0: the controller cancels the task of a rank it went on without, and that rank's worker, back
+    from a cut, must not stop the group that left it behind).
     """
 
     def __init__(self, abort, cancel, poll_interval: float, orphaned: Callable[[], bool],
-                 notice: Callable[[], Notice | None], clock: Callable[[], float] = time.monotonic):
-        self.abort, self.cancel, self.poll_interval = abort, cancel, poll_interval
+                 notice: Callable[[], Notice | None], clock: Callable[[], float] = time.monotonic,
+                 alone: bool = False):
+        self.abort, self.cancel, self.poll_interval, self.alone = abort, cancel, poll_interval, alone
         self._orphaned, self._notice, self._clock = orphaned, notice, clock
         self.reason: str | None = None
         self.abort_seen = False
@@ -57,7 +60,8 @@ class StopRule:
         self._last_check = now
         if self._orphaned():
             self.reason = ORPHANED
-            self.set_abort()
+            if not self.alone:
+                self.set_abort()
             return True
         notice = self._notice()
         if notice is not None and time.time() < notice.deadline + 1:

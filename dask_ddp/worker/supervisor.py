@@ -78,7 +78,7 @@ class Supervisor:
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()
         self.rule = StopRule(Event(task.abort_event), Event(task.cancel_event), task.poll_interval, self._orphaned,
-                             self._saving_notice)
+                             self._saving_notice, alone=task.recovery == "live" and task.rank.rank != 0)
         self.pump: OutputPump | None = None  # relays the rank's stdout and stderr
         self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
