@@ -14,7 +14,7 @@ import time
 import dask
 import pytest
 import torch
-from _cluster import local_client, run
+from _cluster import local_client, run, wait_until
 
 import dask_ddp
 from dask_ddp.wire.errors import PlanError
@@ -181,16 +181,86 @@ def test_two_ranks_lost_at_once_leave_a_group_of_two():
         _check(out, job.history, 10, "before", world=(4, 2))
 
 
-def test_rank_0_lost_falls_back_to_a_restart_and_says_why(tmp_path):
-    """Rank 0 hosts the job's store: its loss ends the attempt, job.history says why live recovery could not go
-    on, and the restart (max_restarts=1) finishes the job."""
+def test_rank_0s_process_killed_is_recovered_live_through_its_store_keeper(tmp_path):
+    """Rank 0's process hosts nothing of the job's: its store lives in a keeper process (dask_ddp.rank.keeper).
+    SIGKILL of rank 0 at step 10: ranks 1 and 2 keep their processes, re-form the group through the same store,
+    and rank 0's replacement joins them there, healed from their memory; no restart, and the result is bitwise
+    a run without the fault."""
+    with local_client(4) as client:
+        clean = run(client, train_live, STEPS, 9, 0, "none", workers=3, recovery="live").result(timeout=180)
+        job = run(client, train_live, STEPS, 0, 10, "before", str(tmp_path / "killed"), workers=3, recovery="live",
+                  stall_timeout=60)
+        out = job.result(timeout=180)
+        history = [h[-1] for h in job.history]
+        print(history)
+        assert not any(h[2] == "RESTARTING" for h in job.history), history
+        assert any("rank 0 on" in h and "its replacement starts on" in h for h in history), history
+        assert [o["rank"] for o in out] == [0, 1, 2]
+        for o in out[1:]:
+            assert o["pids"][0] == o["pids"][1]
+            indices = [i for i, *_ in o["runs"]]
+            assert len(indices) - STEPS <= 1 and sorted(set(indices)) == list(range(STEPS)), indices
+        assert [i for i, *_ in out[0]["runs"]] == list(range(10, STEPS))  # the new rank 0, from the failed step
+        for a, b in zip(out, clean):
+            assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+
+
+def keeper_pids(steps: int, step_s: float = 0.0):
+    """A live loop that returns the store keepers its process forked (rank 0's: a child in a session of its own)."""
+    import psutil
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    keepers = [c.pid for c in psutil.Process().children() if os.getsid(c.pid) == c.pid]
+    for step in dask_ddp.live_steps(steps, model=net, optimizer=opt):
+        with step:
+            net(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            dask_ddp.report(step=step.index, keeper=keepers[0] if keepers else -1)
+            time.sleep(step_s)
+    return keepers
+
+
+def _gone(pids, within: float) -> float:
+    import psutil
+
+    began = time.monotonic()
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() - began < within, f"store keepers {pids} still run {within:g} s after the job"
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def test_the_store_keeper_leaves_with_the_job_finished_or_cancelled():
+    """A live job's store keeper (one, rank 0's) exits once the job is done (its ranks set the closing key) and
+    once a cancelled job's ranks are gone (no rank connected for dask_ddp.rank.keeper.QUIET seconds)."""
+    from dask_ddp.rank.keeper import QUIET
+
+    with local_client(2) as client:
+        out = run(client, keeper_pids, 4, recovery="live").result(timeout=120)
+        assert len(out[0]) == 1 and out[1] == [], out  # rank 0 forked one keeper; the other rank none
+        print(f"the keeper exited {_gone(out[0], 10):.2f} s after a finished job")
+        job = run(client, keeper_pids, 100_000, 0.02, recovery="live")
+        wait_until(lambda: (job.metrics["rank"] == 0).any() if len(job.metrics) else False, 60,
+                   what="rank 0's first step")
+        pids = {int(p) for p in job.metrics["keeper"]} - {-1}
+        assert len(pids) == 1, job.metrics
+        job.cancel()
+        print(f"cancelled: the keeper exited {_gone(pids, QUIET + 20):.2f} s later")
+
+
+def test_rank_0s_worker_lost_falls_back_to_a_restart_and_says_why(tmp_path):
+    """Rank 0's worker killed: its store's keeper may be gone with its host (a cut host looks the same), so the
+    attempt ends, job.history says why live recovery could not go on, and the restart (max_restarts=1) finishes
+    the job."""
     with local_client(3) as client:
-        job = run(client, train_live, STEPS, 0, 10, "before", str(tmp_path / "killed"), recovery="live",
+        job = run(client, train_live, STEPS, 0, 10, "worker", str(tmp_path / "killed"), recovery="live",
                   max_restarts=1, stall_timeout=60)
         out = job.result(timeout=180)
         history = [h[-1] for h in job.history]
         print(history)
-        assert any("no live recovery (rank 0's process hosts the job's store)" in h for h in history), history
+        assert any("no live recovery (rank 0's worker was lost" in h for h in history), history
         assert job.attempt.index == 1 and [o["rank"] for o in out] == [0, 1, 2]
 
 

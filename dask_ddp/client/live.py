@@ -4,14 +4,15 @@ Runs in: the client (the controller's thread; for a detached job, the driver in 
 rank side, where the survivors re-form their group, is :mod:`dask_ddp.rank.live`.
 
 A rank is recovered live when its process died or its worker was lost (a failure of the code is not: it is
-raised, or restarts the job, as ever), it is not rank 0 (whose process hosts the job's store: its loss restarts
-the job), and at least ``min`` ranks still run (``workers=(min, max)``, else 1). A free worker (one the job does
-not use, else the lost rank's own when only its process died) gets a replacement rank at once, started into the
-running attempt (``RankTask.joined``; ``ddp.live.replace``, at most ``ddp.live.max-replacements`` an attempt).
-The survivors get a :class:`~dask_ddp.wire.messages.PeerLost` through their supervisors, wait for the
-replacement and heal it from their memory; with no free worker they go on without it, and take a replacement
-in at a step boundary once a worker is free (:func:`regrow`, from the controller's notice desk). The attempt's
-result is the values of the ranks that finished it.
+raised, or restarts the job, as ever), it is not rank 0 with its worker lost (rank 0's store is held by a keeper
+process on its host, :mod:`dask_ddp.rank.keeper`: it outlives rank 0's process, not its worker or host; that
+loss restarts the job), and at least ``min`` ranks still run (``workers=(min, max)``, else 1). A free worker
+(one the job does not use, else the lost rank's own when only its process died) gets a replacement rank at
+once, started into the running attempt (``RankTask.joined``; ``ddp.live.replace``, at most
+``ddp.live.max-replacements`` an attempt). The survivors get a :class:`~dask_ddp.wire.messages.PeerLost`
+through their supervisors, wait for the replacement and heal it from their memory; with no free worker they go
+on without it, and take a replacement in at a step boundary once a worker is free (:func:`regrow`, from the
+controller's notice desk). The attempt's result is the values of the ranks that finished it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def why_not(spec: LaunchSpec, att: Attempt, outcome: RankOutcome) -> str | None:
         return "recovery is not live"
     if outcome.status not in (Status.DIED, Status.LOST):
         return "the rank's own failure"
-    if outcome.rank == 0:
-        return "rank 0's process hosts the job's store"
+    if outcome.rank == 0 and outcome.status == Status.LOST:  # the keeper lives on the worker's host
+        return "rank 0's worker was lost, and the job's store with it (its keeper runs on that host)"
     bounds = planning.elastic_bounds(spec.workers)
     left = [r.rank for r in att.plan.ranks if r.rank not in att.outcomes and r.rank != outcome.rank]
     need = bounds[0] if bounds else 1

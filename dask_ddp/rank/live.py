@@ -27,8 +27,11 @@ free. A failure that is no lost peer (the code raised) is raised as ever.
 Given a ``StreamingLoader``, the steps take their batches from it and every sample of an epoch is used once by
 the committed steps (see :func:`live_steps`).
 
-What this part does not do yet (issue 42): HSDP/FSDP, the loss of rank 0 (its store goes with it: the job falls
-back to a restart), a collective of the user's own blocked on a hung peer (only live_steps' own are released).
+Rank 0's process is no exception: the job's store lives in a keeper process (:mod:`dask_ddp.rank.keeper`).
+
+What this part does not do yet (issue 42): HSDP/FSDP, the loss of rank 0's worker or host (the store's keeper
+goes with it: the job falls back to a restart), a collective of the user's own blocked on a hung peer (only
+live_steps' own are released).
 """
 
 from __future__ import annotations

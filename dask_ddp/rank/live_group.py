@@ -3,11 +3,12 @@
 Runs in: the rank process of a job started with ``dispatch.run(..., recovery="live")``, under
 :func:`dask_ddp.rank.live.live_steps` (its main thread) and the rank's listener thread (:meth:`LiveGroup.note_lost`).
 
-**The vote.** Each step is committed in the job's rendezvous store (rank 0 hosts it): each rank adds one to the
-step's count; the rank whose vote completes it writes ``commit`` with ``compare_set`` (with the replacements the
-group takes in after the step, if any), and a rank that knows a member was lost writes ``abort``: the first
-written wins and every rank follows it (a vote that completes after an abort changes nothing). Values are
-signed with the attempt's key (:class:`~dask_ddp.wire.notices.Seal`), as the preemption protocol's.
+**The vote.** Each step is committed in the job's rendezvous store (its keeper, :mod:`dask_ddp.rank.keeper`,
+hosts it): each rank adds one to the step's count; the rank whose vote completes it writes ``commit`` with
+``compare_set`` (with the replacements the group takes in after the step, if any), and a rank that knows a
+member was lost writes ``abort``: the first written wins and every rank follows it (a vote that completes after
+an abort changes nothing). Values are signed with the attempt's key (:class:`~dask_ddp.wire.notices.Seal`), as
+the preemption protocol's.
 
 **Re-forming.** After a loss the members left agree on the next generation (the first proposal in the store
 wins), each checks in to it, and once every member has, they make its process group on a fresh store prefix

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from dask_ddp.rank import devices, live, network, preemption
+from dask_ddp.rank import devices, keeper, live, network, preemption
 from dask_ddp.wire.errors import RendezvousError
 from dask_ddp.wire.messages import Port
 from dask_ddp.wire.task import RankTask
@@ -88,8 +88,8 @@ def rendezvous(send: Callable, task: RankTask, master_port: int | None, sampler=
 
 def open_store(send: Callable, task: RankTask, master_port: int | None):
     """Rank 0: host the rendezvous store on ``master_addr`` only (a port the OS picks: no race, no collision)
-    and send its port. Other ranks: connect within ``rendezvous_timeout``, then wait on the store as long as
-    the collectives do (``timeout``).
+    and send its port; in a live job its keeper hosts it (:mod:`dask_ddp.rank.keeper`). Other ranks: connect
+    within ``rendezvous_timeout``, then wait on the store as long as the collectives do (``timeout``).
 
     Raises
     ------
@@ -99,15 +99,20 @@ def open_store(send: Callable, task: RankTask, master_port: int | None):
     import torch.distributed as dist
 
     spec, timeout = task.rank, timedelta(seconds=task.timeout)
-    if spec.rank == 0:
+    if spec.rank == 0 and not task.joined:
         sock = network.listen(task.master_addr, rank=0, worker=spec.address)
         host, port = sock.getsockname()[:2]
         fd = sock.detach()  # the store owns it now
-        store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=fd)
-        network.keep_from_forks(fd, port)
+        if task.recovery == "live" and spec.world_size > 1:  # a store that outlives rank 0's process
+            keeper.start(host, port, fd, spec.world_size, task.timeout, task.store_prefix)
+            os.close(fd)
+            store = dist.TCPStore(host, port, spec.world_size, is_master=False, timeout=timeout)
+        else:
+            store = dist.TCPStore(host, port, spec.world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=fd)
+            network.keep_from_forks(fd, port)
         send(Port(port))
-    else:
+    else:  # (a live job's replacement of rank 0 too: the keeper still holds the store)
         port = master_port
         try:
             store = dist.TCPStore(task.master_addr, port, spec.world_size, is_master=False,
@@ -141,3 +146,5 @@ def finish(store, rank: int, world_size: int, wait: float = 30.0) -> None:
             time.sleep(nap)  # from 1 ms up to 10 ms: ranks that end together wait for no full nap
             nap = min(2 * nap, 0.01)
     preemption.release(store, rank, world_size)  # no notice watcher left waiting on the store when it closes
+    if rank == 0:
+        store.set(keeper.CLOSED, "1")  # a live job's store keeper exits now (without one, nobody reads it)

@@ -33,8 +33,8 @@ class StopRule:
     ``abort``: the attempt's abort flag (``is_set()``, ``set()``); ``cancel``: the flag ``cancel()`` sets too
     (``is_set()``); ``orphaned()``: whether the rank's task is unwanted; ``notice()``: the preemption notice the
     rank saves for, or None; ``alone``: an orphaned rank stops alone, without the attempt's abort (a live job's
-    rank other than 0: the controller cancels the task of a rank it went on without, and that rank's worker, back
-    from a cut, must not stop the group that left it behind).
+    rank: the controller cancels the task of a rank it went on without, and that rank's worker, back from a cut,
+    must not stop the group that left it behind).
     """
 
     def __init__(self, abort, cancel, poll_interval: float, orphaned: Callable[[], bool],

@@ -78,7 +78,7 @@ class Supervisor:
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()
         self.rule = StopRule(Event(task.abort_event), Event(task.cancel_event), task.poll_interval, self._orphaned,
-                             self._saving_notice, alone=task.recovery == "live" and task.rank.rank != 0)
+                             self._saving_notice, alone=task.recovery == "live")
         self.pump: OutputPump | None = None  # relays the rank's stdout and stderr
         self.ended = threading.Event()  # set once the outcome is made and everything the rank sent is relayed
         self.tmpdir: str | None = None
@@ -125,7 +125,7 @@ class Supervisor:
         self.relay.stop()
         outcome.started = started
         outcome.last_seq = self.relay.seq
-        live = self.task.recovery == "live" and self.rank != 0  # its peers go on without it (dask_ddp.rank.live)
+        live = self.task.recovery == "live"  # its peers go on without it (dask_ddp.rank.live, rank.keeper)
         if outcome.status == Status.ERROR or outcome.status == Status.DIED and not live:
             self.rule.set_abort()
         if self.rule.reason == ORPHANED and self.rank == 0:
@@ -185,7 +185,7 @@ class Supervisor:
         if isinstance(ready, RankOutcome):
             return ready
         port = None
-        if self.rank != 0:
+        if self.rank != 0 or self.task.joined:  # a live job's new rank 0 joins the store its keeper holds
             port = self._wait_port()
             if isinstance(port, RankOutcome):
                 return port
