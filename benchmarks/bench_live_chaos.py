@@ -3,6 +3,11 @@
 Usage::
 
     python benchmarks/bench_live_chaos.py [--duration 120] [--every 20] [--out benchmarks/RESULTS_live_chaos.md]
+    python benchmarks/bench_live_chaos.py --ways live --hidden 262144   # a 69 MB state to heal
+
+``--hidden`` widens the model's hidden layer (64: a few KB of state); past 64 the script first times one gloo
+broadcast of the state's bytes between two processes (the peer bandwidth a heal can have at best), for the
+goal "the replacement back within state bytes / peer bandwidth + 2 s".
 
 1. dask-ddp live: ``dispatch.run(..., recovery="live")`` on a ``LocalCluster`` of 4 workers (3 ranks and a
    free one), the loop under ``dask_ddp.live_steps`` (the plain module, momentum SGD); a lost rank's
@@ -56,7 +61,7 @@ BASE_ENV = dict(os.environ)
 WAYS = ("live", "restart", "torchrun")
 
 
-def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", launcher="dask-ddp"):
+def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", launcher="dask-ddp", hidden=64):
     """Steps until stopped from outside; every event logged (see the module docstring)."""
     import json
     import os
@@ -85,7 +90,7 @@ def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", laun
     log("start")
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    net = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 1))
     if mode == "live":
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         for step in dask_ddp.live_steps(10**9, model=net, optimizer=opt):
@@ -159,7 +164,8 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     kw = dict(mode="live" if way == "live" else "restart", ckpt_every=args.ckpt_every, step_s=args.step_s,
-              log_dir=str(log_dir), ckpt_dir=str(ckpt_dir), launcher="torchrun" if way == "torchrun" else "dask-ddp")
+              log_dir=str(log_dir), ckpt_dir=str(ckpt_dir), launcher="torchrun" if way == "torchrun" else "dask-ddp",
+              hidden=args.hidden)
     kills, stop = [], None
     if way == "torchrun":
         script = work / "chaos_train.py"
@@ -257,8 +263,14 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--step-s", type=float, default=0.03)
     ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--hidden", type=int, default=64, help="the hidden layer's width (the state's size)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    state = (32 * args.hidden + 2 * args.hidden + 1) * 4 * 2  # fp32 parameters and SGD's momentum
+    if args.hidden > 64:  # the goal: the replacement back within state / peer bandwidth + 2 s
+        seconds = _peer_seconds(state)
+        print(json.dumps({"state_bytes": state, "gloo_broadcast_s": seconds, "mb_s": state / seconds / 1e6}),
+              flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-live-chaos-"))
     rows = []
     try:
@@ -283,6 +295,36 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
         _write(Path(args.out), rows, args)
+
+
+PEER = """
+import sys, time, torch, torch.distributed as dist
+rank, port, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+t = torch.zeros(n // 4)
+took = []
+for _ in range(5):
+    dist.barrier()
+    began = time.perf_counter()
+    dist.broadcast(t, 0)
+    took.append(time.perf_counter() - began)
+if rank == 1:
+    print(sorted(took)[2])
+"""
+
+
+def _peer_seconds(nbytes: int) -> float:
+    """Seconds of one gloo broadcast of ``nbytes`` between two processes on this machine (median of 5): the
+    peer bandwidth the replacement's heal can have at best."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(r), str(port), str(nbytes)], env=BASE_ENV,
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    return float(out[1].strip())
 
 
 def _write(path: Path, rows: list[dict], args) -> None:

@@ -136,6 +136,9 @@ def test_a_replacement_heals_from_the_survivors_memory_and_the_result_is_bitwise
         assert out[2]["pids"][0] not in (out[0]["pids"][0], out[1]["pids"][0])
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+        steps = job.metrics.groupby("rank")["step"].apply(set)  # the replacement's reports are delivered too (the
+        assert steps[0] >= set(range(STEPS)) and steps[1] >= set(range(STEPS)), steps  # killed one's unflushed
+        assert steps[2] >= set(range(10, STEPS)), steps  # reports died with it)
         goodput = job.goodput  # the survivors' step rolled back is redone time, their re-forming recovery
         print(goodput.round(3).to_string())
         assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()
@@ -279,6 +282,9 @@ def test_a_replacement_lost_while_it_joins_is_replaced_again(tmp_path):
         assert [i for i, *_ in out[2]["runs"]] == list(range(10, STEPS))
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
+        steps = job.metrics.groupby("rank")["step"].apply(set)  # the replacement's reports are delivered too (the
+        assert steps[0] >= set(range(STEPS)) and steps[1] >= set(range(STEPS)), steps  # killed one's unflushed
+        assert steps[2] >= set(range(10, STEPS)), steps  # reports died with it)
         goodput = job.goodput  # the survivors' step rolled back is redone time, their re-forming recovery
         print(goodput.round(3).to_string())
         assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()

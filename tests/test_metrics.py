@@ -590,7 +590,7 @@ def test_subscription_backfills_what_was_logged_before_it(client):
         assert _drain(feed, order, 1) == [2]
         # a second backfill brings duplicates only: all dropped
         assert _drain(feed, order, 1, timeout=1.0, first=feed.backfill()) == []
-        assert order.have_all(0, 0, 2) and order.last_seq[(0, 0)] == 2
+        assert order.have_all(0, 0, 2) and order.last_seq[(0, 0, 0)] == 2
     finally:
         feed.close()
 
@@ -606,7 +606,18 @@ def test_batches_are_delivered_in_the_order_each_rank_sent_them():
     assert order.take(other_rank) == [other_rank]    # each rank has its own order
     assert seqs(order.take(_batch(3))) == []         # 2 never comes ...
     assert seqs(order.flush()) == [3]                # ... so 3 is delivered late rather than lost
-    assert order.last_seq[(0, 0)] == 3 and not order.have_all(0, 0, 3)
+    assert order.last_seq[(0, 0, 0)] == 3 and not order.have_all(0, 0, 3)
+
+
+def test_a_live_replacements_batches_are_its_own_not_the_lost_ranks_duplicates():
+    """A live job's replacement of rank 1 counts its batches from seq 0 again (its relay is new): they must be
+    delivered, in their own order, and its end awaited on its own sequence."""
+    order = EventOrder()
+    seqs = lambda batches: [(b.get("joined", 0), b["seq"]) for b in batches]  # noqa: E731
+    assert seqs(order.take(_batch(0)) + order.take(_batch(1))) == [(0, 0), (0, 1)]
+    assert seqs(order.take(dict(_batch(1), joined=1))) == []  # the replacement's 1 waits for its own 0
+    assert seqs(order.take(dict(_batch(0), joined=1))) == [(1, 0), (1, 1)]
+    assert order.have_all(0, 0, 1, joined=1) and not order.have_all(0, 0, 2, joined=1)
 
 
 def test_a_users_handler_on_the_all_topic_is_kept(client):

@@ -280,7 +280,7 @@ class Controller:
         pending = [o for o in att.outcomes.values() if o.last_seq >= 0]
 
         def arrived() -> bool:
-            return all(self.order.have_all(att.index, o.rank, o.last_seq) for o in pending)
+            return all(self.order.have_all(att.index, o.rank, o.last_seq, att.tasks[o.rank].joined) for o in pending)
 
         if not arrived() and not self._backfilled and now > self._deadline - DRAIN_WAIT / 2:
             self._deliver(self.cluster.backfill())  # subscribing does not replay what came before it

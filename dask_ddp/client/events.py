@@ -39,15 +39,17 @@ class EventOrder:
     Batches come twice when a backfill (``get_events``) overlaps the live
     subscription, and out of order when a backfill brings an older one late:
     :meth:`take` drops the duplicates and holds a batch back until its
-    predecessor (same attempt and rank, ``seq - 1``) has been given out.
+    predecessor (same attempt, rank and process, ``seq - 1``) has been given out.
+    A live job's replacement rank (``"joined"``: its ``RankTask.joined``) counts
+    its batches from 0 again: they are its own, never taken for the lost one's.
     """
 
     def __init__(self):
         self._seen: set[tuple] = set()
         self._lock = threading.Lock()
-        self.last_seq: dict[tuple[int, int], int] = {}
-        self._held: dict[tuple[int, int], dict[int, dict]] = {}  # (attempt, rank) -> seq -> batch, waiting
-        self._next: dict[tuple[int, int], int] = {}  # (attempt, rank) -> the seq to deliver next
+        self.last_seq: dict[tuple[int, int, int], int] = {}
+        self._held: dict[tuple[int, int, int], dict[int, dict]] = {}  # (attempt, rank, joined) -> seq -> batch
+        self._next: dict[tuple[int, int, int], int] = {}  # (attempt, rank, joined) -> the seq to deliver next
 
     def take(self, msg: dict) -> list[dict]:
         """The batches ``msg`` makes ready, in ``seq`` order per rank and attempt.
@@ -56,7 +58,7 @@ class EventOrder:
         arrived yet (a backfill may bring it later): it is held back until
         then, or until :meth:`flush`.
         """
-        rk, seq = (msg.get("attempt"), msg.get("rank")), msg.get("seq")
+        rk, seq = (msg.get("attempt"), msg.get("rank"), msg.get("joined", 0)), msg.get("seq")
         with self._lock:
             if (*rk, seq) in self._seen:
                 return []
@@ -80,10 +82,10 @@ class EventOrder:
             self._held.clear()
             return out
 
-    def have_all(self, attempt: int, rank: int, last_seq: int) -> bool:
-        """Whether every batch up to ``last_seq`` of that rank and attempt has been taken."""
+    def have_all(self, attempt: int, rank: int, last_seq: int, joined: int = 0) -> bool:
+        """Whether every batch up to ``last_seq`` of that rank, attempt and process (``joined``) has been taken."""
         with self._lock:
-            return all((attempt, rank, s) in self._seen for s in range(last_seq + 1))
+            return all((attempt, rank, joined, s) in self._seen for s in range(last_seq + 1))
 
 
 class TopicFeed:

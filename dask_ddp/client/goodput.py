@@ -103,45 +103,48 @@ class GoodputBook:
         productive share, None before any time)."""
         job, ranks = _zeros(), dict[int, dict[str, float]]()
         end = self.finished if self.finished is not None else now
-        cursor = self.created
+        cursor, places = self.created, dict[tuple[int, int], list[_Process]]()
+        for (index, rank, _), proc in self.procs.items():
+            places.setdefault((index, rank), []).append(proc)
         for att in self.attempts:
             stop = att.end if att.end is not None else end
             job["startup" if att.index == 0 else "recovery"] += max(0.0, att.launched - cursor)
             for rank in range(att.world_size):
-                place = self._place(att, rank, stop, now)
+                place = _place(att, places.get((att.index, rank), []), stop, now)
                 _add(ranks.setdefault(rank, _zeros()), place)
                 _add(job, {k: v / att.world_size for k, v in place.items()})
             cursor = max(cursor, stop)
         job["startup" if not self.attempts else OTHER] += max(0.0, end - cursor)
         return [_row("job", job)] + [_row(rank, split) for rank, split in sorted(ranks.items())]
 
-    def _place(self, att: _Attempt, rank: int, stop: float, now: float) -> dict[str, float]:
-        """How the time of rank ``rank``'s place in ``att`` (from its launch to ``stop``) went."""
-        out, cursor = _zeros(), att.launched
-        procs = sorted((p for (i, r, _), p in self.procs.items() if i == att.index and r == rank),
-                       key=lambda p: p.since)
-        waiting = "startup" if att.index == 0 else "recovery"
-        if procs and procs[0].joined:  # the place's first process left no ledger (lost within its first second)
-            waiting = OTHER
-        for proc in procs:
-            since = min(max(proc.since, cursor), stop)
-            out[waiting] += since - cursor
-            split = dict(proc.split)
-            if att.index > 0 or proc.joined:  # a restart's or a replacement's start-up is the recovery's price
-                split["recovery"] += split.pop("startup")
-                split["startup"] = 0.0
-            redone = min(proc.moved, split["productive"])
-            split["productive"] -= redone
-            split["redone"] += redone
-            take = min(total(split), max(0.0, stop - since))  # a clock ahead of the client's: within the window
-            _add(out, _scaled(split, take))
-            cursor, waiting = since + take, "recovery"  # a place empty after a process: until one takes it
-        last = procs[-1] if procs else None
-        tail = max(0.0, stop - cursor)
-        if last is not None and (last.final or (att.end is None and now - last.seen < QUIET)):
-            waiting = OTHER  # ended normally, or still running and reporting: not yet accounted for
-        out[waiting] += tail
-        return out
+
+def _place(att: _Attempt, procs: list[_Process], stop: float, now: float) -> dict[str, float]:
+    """How the time of a rank's place in ``att`` (from its launch to ``stop``) went; ``procs``: the ledgers of
+    the processes that held it."""
+    out, cursor = _zeros(), att.launched
+    procs = sorted(procs, key=lambda p: p.since)
+    waiting = "startup" if att.index == 0 else "recovery"
+    if procs and procs[0].joined:  # the place's first process left no ledger (lost within its first second)
+        waiting = OTHER
+    for proc in procs:
+        since = min(max(proc.since, cursor), stop)
+        out[waiting] += since - cursor
+        split = dict(proc.split)
+        if att.index > 0 or proc.joined:  # a restart's or a replacement's start-up is the recovery's price
+            split["recovery"] += split.pop("startup")
+            split["startup"] = 0.0
+        redone = min(proc.moved, split["productive"])
+        split["productive"] -= redone
+        split["redone"] += redone
+        take = min(total(split), max(0.0, stop - since))  # a clock ahead of the client's: within the window
+        _add(out, _scaled(split, take))
+        cursor, waiting = since + take, "recovery"  # a place empty after a process: until one takes it
+    last = procs[-1] if procs else None
+    tail = max(0.0, stop - cursor)
+    if last is not None and (last.final or (att.end is None and now - last.seen < QUIET)):
+        waiting = OTHER  # ended normally, or still running and reporting: not yet accounted for
+    out[waiting] += tail
+    return out
 
 
 def _number(v) -> float | None:

@@ -131,8 +131,10 @@ class Relay:
     """Collects one rank's events on the worker and publishes them in batches (thread-safe)."""
 
     def __init__(self, worker, topic: str, rank: int, attempt: int, run_id: str, interval: float | None = None,
-                 via: str | None = None, hub_interval: float = 1.0, limits: EventLimits | None = None):
+                 via: str | None = None, hub_interval: float = 1.0, limits: EventLimits | None = None,
+                 joined: int = 0):
         self.worker, self.topic, self.rank, self.attempt, self.run_id = worker, topic, rank, attempt, run_id
+        self.joined = joined  # a live job's replacement (RankTask.joined): its batches count from seq 0 again
         self.via, self.hub_interval = via, hub_interval  # the worker whose hub publishes for this host (see hub)
         self.seq = -1
         self._items: list[dict] = []
@@ -204,8 +206,11 @@ class Relay:
         self.seq += 1
         # packed: the scheduler keeps a topic's last 1,000 events as they are, and bytes cost it their size; an
         # item msgpack refuses (it would cost the worker its scheduler) is escaped first (pack_items)
-        return {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq,
-                "items": pack_items(batch)}
+        msg = {"run": self.run_id, "rank": self.rank, "attempt": self.attempt, "seq": self.seq,
+               "items": pack_items(batch)}
+        if self.joined:  # told apart from the batches of the process it replaces (same rank and attempt)
+            msg["joined"] = self.joined
+        return msg
 
     def _publish(self, msgs: list[dict], now: bool) -> None:
         if self.via is not None:

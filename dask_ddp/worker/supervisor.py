@@ -73,7 +73,7 @@ class Supervisor:
         self.key = worker.get_current_task()
         self.host = RankHost.of(worker)
         self.relay = Relay(worker, task.topic, self.rank, task.attempt, task.attempt_id, task.flush_interval,
-                           task.via, task.hub_interval, task.limits)
+                           task.via, task.hub_interval, task.limits, task.joined)
         self.child: RankProcess | None = None
         self._stacks: deque = deque(maxlen=1)
         self._stacks_ready = threading.Event()
