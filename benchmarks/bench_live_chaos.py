@@ -11,7 +11,9 @@ goal "the replacement back within state bytes / peer bandwidth + 2 s".
 
 1. dask-ddp live: ``dispatch.run(..., recovery="live")`` on a ``LocalCluster`` of 4 workers (3 ranks and a
    free one), the loop under ``dask_ddp.live_steps`` (the plain module, momentum SGD); a lost rank's
-   replacement starts on a free worker and heals from the survivors' memory.
+   replacement starts on a free worker and heals from the survivors' memory (``ddp.live.max-replacements``
+   raised past the kills, as ``max_restarts`` for the restart way: at the default 8, a run of more than 8 kills
+   goes on with fewer ranks).
 2. dask-ddp restart (today's path): ``DistributedDataParallel``, ``max_restarts=100``, a checkpoint every
    ``--ckpt-every`` steps (10) through ``dask_ddp.save_checkpoint``; each restart resumes from the newest.
 3. torchrun: ``torchrun --standalone --nproc-per-node 3 --max-restarts 100``, the same DDP code with
@@ -178,10 +180,12 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
         stop = lambda: os.killpg(proc.pid, signal.SIGTERM)  # noqa: E731
         cluster = client = job = None
     else:
+        import dask
         from dask.distributed import Client, LocalCluster
 
         import dask_ddp
 
+        dask.config.set({"ddp.live.max-replacements": 10_000})  # as max_restarts=100: never the limit here
         cluster = LocalCluster(n_workers=4 if way == "live" else 3, threads_per_worker=1, host="127.0.0.1",
                                dashboard_address=None)
         client = Client(cluster)
@@ -332,7 +336,9 @@ def _write(path: Path, rows: list[dict], args) -> None:
         return "n/a" if x is None or x != x else fmt.format(x)
 
     lines = [f"# Chaos: a rank killed every {args.every:g} s for {args.duration:g} s (3 ranks, gloo, CPU)", "",
-             f"`python benchmarks/bench_live_chaos.py --duration {args.duration:g} --every {args.every:g}`, "
+             f"`python benchmarks/bench_live_chaos.py{'' if args.ways == ','.join(WAYS) else ' --ways ' + args.ways}"
+             f"{'' if args.hidden == 64 else f' --hidden {args.hidden}'} --duration {args.duration:g} "
+             f"--every {args.every:g}`, "
              f"{datetime.date.today()}, the 2-core machine (shared: figures vary by ~30 % from run to run). "
              "How each figure is taken: the script's docstring.", "",
              "| way | clean steps/s | kills | failure to next committed step, median / p95 | steps redone per "

@@ -47,7 +47,7 @@ def _serve(host: str, port: int, fd: int, world_size: int, timeout: float, prefi
     for target in (0, 1, 2):
         os.dup2(null, target)
     os.closerange(3, fd)
-    os.closerange(fd + 1, 1 << 16)
+    os.closerange(fd + 1, max(fd + 2, os.sysconf("SC_OPEN_MAX")))
     import psutil
     import torch.distributed as dist
 

@@ -222,8 +222,7 @@ class Sampler:
         item.update(checkpoint_fields())
         ledger = goodput.LEDGER
         item.update(fields(ledger.split(c.input_wait)), goodput_since=ledger.since, goodput_step=self._step,
-                    goodput_from=self._first_step,
-                    joined=self.joined, final=final)
+                    goodput_from=self._first_step, joined=self.joined, final=final)
         if steps:  # a step longer than the window: its collective wait adds up until it ends
             p.coll_wait = c.coll_wait
         return item

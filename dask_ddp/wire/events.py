@@ -3,7 +3,8 @@
 Runs in: every process that makes or reads an event: the rank (``report()``, its log
 handler), the Dask worker (the relay and the per-host hub) and the client (the job's feed).
 
-One rank batch is ``{"run", "rank", "attempt", "seq", "items"}``; a host's hub publishes
+One rank batch is ``{"run", "rank", "attempt", "seq", "items"}`` (and ``"joined"``, the ``RankTask.joined``
+of a live job's replacement: its ``seq`` counts from 0 again); a host's hub publishes
 several as ``{"run", "batches": [batch, ...]}`` (:func:`unpack` reads both). ``items`` are
 flat dicts of plain values, packed by the worker into one msgpack ``bytes`` (:func:`pack_items`,
 read back with :func:`items_of`): the scheduler keeps the last 1,000 events of a topic, and as
