@@ -91,6 +91,20 @@ def _check(out, history, kill_at, when, world=(3, 2)):
     assert any("live recovery" in cause for *_, cause in history), history
 
 
+def _check_rank_2_replaced(job) -> None:
+    """Rank 2 was killed at step 10 and replaced: the replacement's reports reach job.metrics (the killed
+    process's unflushed ones died with it), and job.goodput counts the survivors' rolled-back step as redone and
+    their re-forming as recovery, and rank 2's place (empty, then the replacement's start and heal) as recovery."""
+    steps = job.metrics.groupby("rank")["step"].apply(set)
+    assert steps[0] >= set(range(STEPS)) and steps[1] >= set(range(STEPS)), steps
+    assert steps[2] >= set(range(10, STEPS)), steps
+    goodput = job.goodput
+    print(goodput.round(3).to_string())
+    assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()
+    assert goodput.loc[2, "recovery_s"] > 0
+    assert goodput.loc["job", "recovery_s"] > 0 and goodput.loc["job", "redone_s"] > 0
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_rank_killed_mid_job_costs_its_peers_one_step(when):
     """SIGKILL of rank 2's process at step 10, before its gradients are in (its peers' all-reduce fails) or
@@ -136,14 +150,7 @@ def test_a_replacement_heals_from_the_survivors_memory_and_the_result_is_bitwise
         assert out[2]["pids"][0] not in (out[0]["pids"][0], out[1]["pids"][0])
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
-        steps = job.metrics.groupby("rank")["step"].apply(set)  # the replacement's reports are delivered too (the
-        assert steps[0] >= set(range(STEPS)) and steps[1] >= set(range(STEPS)), steps  # killed one's unflushed
-        assert steps[2] >= set(range(10, STEPS)), steps  # reports died with it)
-        goodput = job.goodput  # the survivors' step rolled back is redone time, their re-forming recovery
-        print(goodput.round(3).to_string())
-        assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()
-        assert goodput.loc[2, "recovery_s"] > 0  # the place empty, then the replacement's start and heal
-        assert goodput.loc["job", "recovery_s"] > 0 and goodput.loc["job", "redone_s"] > 0
+        _check_rank_2_replaced(job)
 
 
 def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path):
@@ -282,14 +289,7 @@ def test_a_replacement_lost_while_it_joins_is_replaced_again(tmp_path):
         assert [i for i, *_ in out[2]["runs"]] == list(range(10, STEPS))
         for a, b in zip(out, clean):
             assert torch.equal(a["params"], b["params"]), f"rank {a['rank']}: parameters differ from the clean run"
-        steps = job.metrics.groupby("rank")["step"].apply(set)  # the replacement's reports are delivered too (the
-        assert steps[0] >= set(range(STEPS)) and steps[1] >= set(range(STEPS)), steps  # killed one's unflushed
-        assert steps[2] >= set(range(10, STEPS)), steps  # reports died with it)
-        goodput = job.goodput  # the survivors' step rolled back is redone time, their re-forming recovery
-        print(goodput.round(3).to_string())
-        assert (goodput.loc[[0, 1], "redone_s"] > 0).all() and (goodput.loc[[0, 1], "recovery_s"] > 0).all()
-        assert goodput.loc[2, "recovery_s"] > 0  # the place empty, then the replacement's start and heal
-        assert goodput.loc["job", "recovery_s"] > 0 and goodput.loc["job", "redone_s"] > 0
+        _check_rank_2_replaced(job)
 
 
 def test_a_job_gone_smaller_takes_a_replacement_in_when_a_worker_comes(tmp_path):
