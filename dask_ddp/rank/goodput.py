@@ -10,11 +10,13 @@ disagree.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 from dask_ddp.checkpoint import stalls
 
-__all__ = ["Ledger", "LEDGER", "began", "add"]
+__all__ = ["Ledger", "LEDGER", "began", "add", "counting"]
 
 
 class Ledger:
@@ -67,3 +69,12 @@ def began(at: float | None = None) -> None:
 def add(category: str, seconds: float) -> None:
     """Add ``seconds`` of ``category`` to this process's ledger (see :meth:`Ledger.add`)."""
     LEDGER.add(category, seconds)
+
+
+@contextlib.contextmanager
+def counting(category: str) -> Iterator[None]:
+    """Add the time the block takes to ``category`` of this process's ledger (see :func:`add`), once it has
+    completed (a block that raises ends the rank's work: nothing is added)."""
+    started = time.perf_counter()
+    yield
+    LEDGER.add(category, time.perf_counter() - started)

@@ -81,9 +81,9 @@ class LiveStep:
     step was applied on every rank of the group).
     """
 
-    def __init__(self, live: LiveGroup, index: int, attempts: int, pace: list | None = None) -> None:
+    def __init__(self, live: LiveGroup, index: int, attempts: int, pace: list) -> None:
         self._live, self.index, self.attempts = live, index, attempts
-        self.pace = [None] if pace is None else pace  # [a committed step's typical seconds], shared by the loop
+        self.pace = pace  # [a committed step's typical seconds or None], shared by the loop's steps
         self.rank, self.world_size = live.rank, len(live.members)
         self.committed = False
         self.voted = False
@@ -106,22 +106,20 @@ class LiveStep:
             took, typical = time.perf_counter() - self.began, self.pace[0]
             self.pace[0] = took if typical is None else 0.8 * typical + 0.2 * took
             if self.grow:  # replacements of ranks the group went on without: taken in before the next step
-                started = time.perf_counter()
-                self._live.regroup(self.index + 1, grow=self.grow)
-                goodput.add("recovery", time.perf_counter() - started)
+                with goodput.counting("recovery"):
+                    self._live.regroup(self.index + 1, grow=self.grow)
             return False
         if exc is not None and not _lost_peer(exc):
             return False  # the code's own error: raised as ever
         self.committed = False
-        started = time.perf_counter()
-        spent = started - self.began  # the rank's goodput: the step's own time is redone, the wait past it (a
-        redone = min(spent, self.pace[0] or spent)  # collective blocked until the loss was heard) recovery
+        spent = time.perf_counter() - self.began  # the rank's goodput: the step's own time is redone, the wait
+        redone = min(spent, self.pace[0] or spent)  # past it (a collective blocked until the loss was heard) recovery
         goodput.add("redone", redone)
         goodput.add("recovery", spent - redone)
-        if self.rewind is not None:  # the loader back to where this step began: a replacement is sent that
-            self.rewind()
-        self._live.recover(self.index, exc)
-        goodput.add("recovery", time.perf_counter() - started)
+        with goodput.counting("recovery"):
+            if self.rewind is not None:  # the loader back to where this step began: a replacement is sent that
+                self.rewind()
+            self._live.recover(self.index, exc)
         return True
 
     def __repr__(self) -> str:
@@ -158,9 +156,8 @@ def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
     live.attach(model, optimizer, loader)
     goodput.began()
     if live.joining:  # a replacement: the step, model, optimizer and loader come from the survivors' memory
-        started = time.perf_counter()
-        start = live.join()
-        goodput.add("recovery", time.perf_counter() - started)
+        with goodput.counting("recovery"):
+            start = live.join()
     pace: list = [None]
     own_step, current = optimizer.step, [LiveStep(live, start, 1, pace)]
     batches = _Batches(loader, live)
