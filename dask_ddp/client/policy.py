@@ -81,6 +81,8 @@ def decide(outcomes: Sequence[RankOutcome], *, cancelled: bool, attempt: int, ma
             return Decision(Action.FINISH, "every rank returned")
         return Decision(Action.FAIL, "ranks were stopped without a failure of their own")
     where = f"rank {root.rank} on {root.worker} {_WHAT[root.status]}"
+    if root.status == Status.ERROR and root.message.startswith("live recovery"):  # why the job did not go on live
+        where = f"{where} ({root.message})"
     if attempt < max_restarts:
         return Decision(Action.RESTART, f"{where}; attempt {attempt + 2}/{max_restarts + 1}", root)
     tail = f" after {attempt + 1} attempts" if max_restarts else ""

@@ -29,19 +29,24 @@ the committed steps (see :func:`live_steps`).
 
 Rank 0's process is no exception: the job's store lives in a keeper process (:mod:`dask_ddp.rank.keeper`).
 
-What this part does not do yet (issue 42): HSDP/FSDP, the loss of rank 0's worker or host (the store's keeper
-goes with it: the job falls back to a restart), a collective of the user's own blocked on a hung peer (only
-live_steps' own are released).
+HSDP too: ``live_steps(total, build=build, shards=n)`` rebuilds the FSDP2 model on each new group's mesh, and
+a replica group that took a replacement in heals from another replica's memory (:mod:`dask_ddp.rank.live_state`).
+
+What this part does not do yet (issue 42): plain FSDP (one copy of each shard: no memory tier yet), an HSDP job
+going on with a replica group fewer (no spare: it falls back to a restart), the loss of rank 0's worker or host
+(the store's keeper goes with it: a restart), a collective of the user's own blocked on a hung peer (only those
+of live_steps' block are released).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dask_ddp.rank import goodput
 from dask_ddp.rank.live_group import LiveGroup, LiveRecoveryError, StepAborted
+from dask_ddp.rank.live_state import Replicated, Sharded
 from dask_ddp.wire.notices import Seal
 
 __all__ = ["live_steps", "LiveStep", "LiveRecoveryError", "setup", "peer_lost", "final_world_size"]
@@ -77,8 +82,9 @@ class LiveStep:
 
     Attributes: ``index`` (the step number), ``rank`` and ``world_size`` (this rank's place in the current
     group: they change when a peer is lost), ``attempts`` (how many times this step has run, from 1),
-    ``batch`` (the step's batch from ``live_steps``' loader, else None), ``committed`` (after the block: the
-    step was applied on every rank of the group).
+    ``batch`` (the step's batch from ``live_steps``' loader, else None), ``model`` and ``optimizer`` (the
+    step's: HSDP rebuilds them with each new group), ``committed`` (after the block: the step was applied on
+    every rank of the group).
     """
 
     def __init__(self, live: LiveGroup, index: int, attempts: int, pace: list) -> None:
@@ -91,12 +97,18 @@ class LiveStep:
         self.batch: Any = None  # the step's batch, when live_steps was given a loader
         self.rewind: Any = None  # puts the loader back where the step began
         self.began = time.perf_counter()  # when the block was entered (the rank's goodput)
+        self.model: Any = None  # the model and optimizer of this step (HSDP: rebuilt with each new group)
+        self.optimizer: Any = None
 
     def __enter__(self) -> "LiveStep":
         self.began = time.perf_counter()
+        if self._live.state.whole_block:  # its collectives run all through the block: a loss releases them
+            self._live.collective += 1
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
+        if self._live.collective % 2:
+            self._live.collective += 1
         if exc is None and not self.voted:  # no optimizer step in the block: the vote is here
             try:
                 self.committed, self.grow = self._live.commit(self.index)
@@ -126,14 +138,24 @@ class LiveStep:
         return f"LiveStep(index={self.index}, rank={self.rank}, world_size={self.world_size})"
 
 
-def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
-               start: int = 0) -> Iterator[LiveStep]:
+def live_steps(total: int, *, model: Any = None, optimizer: Any = None, loader: Any = None, start: int = 0,
+               build: Callable | None = None, shards: int | None = None) -> Iterator[LiveStep]:
     """Steps ``start`` .. ``total - 1`` of a live-recovered loop; a step whose group lost a member runs again.
 
-    ``model``: the plain ``torch.nn.Module`` (not wrapped in ``DistributedDataParallel``); ``optimizer``: its
-    optimizer, whose ``step()`` is taken over for the loop: it averages the gradients over the group, votes, and
-    applies the step only once every member has voted (see the module docstring). After the loop the
-    optimizer's own ``step`` is back. ``loader``: a :class:`~dask_ddp.data.StreamingLoader` whose batches the
+    DDP: ``model``, the plain ``torch.nn.Module`` (not wrapped in ``DistributedDataParallel``), and
+    ``optimizer``, its optimizer, whose ``step()`` is taken over for the loop: it averages the gradients over
+    the group, votes, and applies the step only once every member has voted (see the module docstring). After
+    the loop the optimizer's own ``step`` is back.
+
+    HSDP: instead of ``model`` and ``optimizer``, ``build``, a function that takes a ``DeviceMesh``
+    ``(replicate, shard)`` and returns ``(model, optimizer)``, the model sharded on that mesh with
+    ``fully_shard`` (or :func:`dask_ddp.shard_model`), and ``shards``, the ranks of a replica group (it divides
+    the world size; ranks ``0 .. shards - 1`` are the first group). Every new group rebuilds the model with
+    ``build`` and each rank keeps its shards; use ``step.model`` and ``step.optimizer`` in the loop, as they
+    change with the group. A replica group that lost a rank heals from another one's memory (see
+    :mod:`dask_ddp.rank.live_state`); without a spare worker for it, the job falls back to a restart.
+
+    ``loader``: a :class:`~dask_ddp.data.StreamingLoader` whose batches the
     steps take (``step.batch``, epoch after epoch): a step run again gets the same samples back, the loader
     follows the group's rank and size (its position counts the samples of all ranks together), and a
     replacement gets its position from the survivors: each sample of an epoch is used once by the committed
@@ -144,7 +166,10 @@ def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
     LiveRecoveryError
         The job was not started with ``recovery="live"``, or a recovery could not go on (see the class).
     TypeError
-        ``total`` or ``start`` is not an int.
+        ``total`` or ``start`` is not an int, or neither (or both) of ``model``/``optimizer`` and ``build``
+        were given; ``build`` returned something other than ``(model, optimizer)``.
+    ValueError
+        ``shards`` does not divide the world size.
     """
     if isinstance(total, bool) or not isinstance(total, int) or isinstance(start, bool) or not isinstance(start, int):
         raise TypeError(f"live_steps(total={total!r}, start={start!r}): expected ints")
@@ -152,42 +177,68 @@ def live_steps(total: int, *, model: Any, optimizer: Any, loader: Any = None,
     if live is None:
         raise LiveRecoveryError("live_steps() runs in a rank of a job started with dispatch.run(..., "
                                 "recovery=\"live\"); this rank has no live group")
-    params = [p for p in model.parameters() if p.requires_grad]
-    live.attach(model, optimizer, loader)
+    if (build is None) == (model is None or optimizer is None) or (build is None) != (shards is None):
+        raise TypeError("live_steps() takes model= and optimizer= (DDP), or build= and shards= (HSDP)")
+    state = (Replicated(model, optimizer, loader) if build is None
+             else Sharded(build, shards, len(live.members), live.device, loader))  # type: ignore[arg-type]
+    live.attach(state)
     goodput.began()
     if live.joining:  # a replacement: the step, model, optimizer and loader come from the survivors' memory
         with goodput.counting("recovery"):
             start = live.join()
     pace: list = [None]
-    own_step, current = optimizer.step, [LiveStep(live, start, 1, pace)]
-    batches = _Batches(loader, live)
-
-    def step(*args, **kwargs):
-        s = current[0]
-        if live.lost_members():  # a member is known lost: its collective would fail or hang
-            raise StepAborted()
-        live.average(params)
-        s.voted = True
-        s.committed, s.grow = live.commit(s.index)
-        if not s.committed:
-            raise StepAborted()
-        return own_step(*args, **kwargs)
-
-    optimizer.step = step
+    current = [LiveStep(live, start, 1, pace)]
+    batches, taken = _Batches(loader, live), _TakenOver(live, current)
     try:
         index, attempts = start, 1
         while index < total:
             current[0] = s = LiveStep(live, index, attempts, pace)
             s.batch, s.rewind = batches.next()
+            taken.take(state.optimizer)  # HSDP: a new group made a new optimizer
+            s.model, s.optimizer = state.model, state.optimizer
             yield s
             if s.committed:
                 index, attempts = index + 1, 1
             else:
-                optimizer.zero_grad(set_to_none=True)
+                state.optimizer.zero_grad(set_to_none=True)
                 attempts += 1
     finally:
-        optimizer.step = own_step
+        taken.give_back()
         batches.close()
+
+
+class _TakenOver:
+    """The optimizer whose ``step()`` live_steps has taken over: it averages (DDP), votes, and applies the step
+    only when the vote commits; given back after the loop."""
+
+    def __init__(self, live: LiveGroup, current: list) -> None:
+        self.live, self.current = live, current
+        self.optimizer: Any = None
+        self.own: Any = None
+
+    def take(self, optimizer: Any) -> None:
+        if optimizer is self.optimizer:
+            return
+        self.give_back()
+        self.optimizer, own, live = optimizer, optimizer.step, self.live
+
+        def step(*args, **kwargs):
+            s = self.current[0]
+            if live.lost_members():  # a member is known lost: its collective would fail or hang
+                raise StepAborted()
+            live.average()
+            s.voted = True
+            s.committed, s.grow = live.commit(s.index)
+            if not s.committed:
+                raise StepAborted()
+            return own(*args, **kwargs)
+
+        self.own, optimizer.step = own, step
+
+    def give_back(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step = self.own
+            self.optimizer = None
 
 
 class _Batches:

@@ -17,9 +17,10 @@ next (two losses at once; a replacement lost while it joins). Losses name the pr
 ``RankTask.joined``), so an old loss never counts against a replacement.
 
 **Healing.** A replacement (the lost rank's number, started into the running attempt) is invited through the
-store (signed) to the generation that takes it in; every member then takes the model's parameters and buffers
-(in place), the optimizer's state and the data loader's position (``torch.save`` bytes, read back with
-``weights_only=True``) and the step from one survivor over the new group (broadcasts).
+store (signed) to the generation that takes it in; every member then takes the state from the survivors' memory
+over the new group: the model's parameters and buffers (in place), the optimizer's state and the data loader's
+position (``torch.save`` bytes, read back with ``weights_only=True``) and the step. What the state is and who
+sends it (DDP: one survivor; HSDP: a whole replica group) is :mod:`dask_ddp.rank.live_state`'s.
 
 **Releasing.** A peer that hangs or is cut off (a stopped process, a host off the network) sends no FIN: a
 survivor blocked in the gradients' all-reduce would wait for gloo's timeout. When the loss is heard while the
@@ -36,6 +37,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from dask_ddp.rank.live_state import StateError
 from dask_ddp.wire.errors import DaskDDPError
 from dask_ddp.wire.notices import Seal
 
@@ -72,22 +74,24 @@ class LiveGroup:
         self.replacing: dict[int, int] = {}  # lost rank -> n of the replacement starting (RankTask.joined)
         self.epoch = 0  # losses heard so far: a group still forming is given up when one more comes
         self.heard = threading.Condition()
-        self.model: Any = None
-        self.optimizer: Any = None
-        self.loader: Any = None
+        self.state: Any = None  # what the group holds and heals (dask_ddp.rank.live_state)
         self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
 
-    def attach(self, model: Any, optimizer: Any, loader: Any = None) -> None:
-        """The model, optimizer and data loader (a ``StreamingLoader``, or None) the group heals a replacement
-        with (:func:`~dask_ddp.rank.live.live_steps`)."""
-        self.model, self.optimizer, self.loader = model, optimizer, loader
+    def attach(self, state: Any) -> None:
+        """What the group holds and heals a replacement with: a :class:`~dask_ddp.rank.live_state.Replicated` or
+        :class:`~dask_ddp.rank.live_state.Sharded` (:func:`~dask_ddp.rank.live.live_steps`); a rank started with
+        the attempt builds it on the attempt's group now."""
+        self.state = state
+        if not self.joining:
+            state.formed(self.members, self.me, self.backend)
 
-    def average(self, params: list) -> None:
-        """Average the gradients of ``params`` over the group (one all-reduce per dtype and device); a loss heard
-        meanwhile releases it (see the module docstring). Raises what the collective raises."""
+    def average(self) -> None:
+        """Average the gradients over the group where the state's kind does it at the step (DDP: one all-reduce
+        per dtype and device); a loss heard meanwhile releases it (see the module docstring). Raises what the
+        collective raises."""
         self.collective += 1
         try:
-            _average(params, len(self.members))
+            self.state.average(len(self.members))
         finally:
             self.collective += 1
 
@@ -194,19 +198,22 @@ class LiveGroup:
                 joiners = {r: n for r, n in self.replacing.items() if r in lost}
                 joiners.update((r, n) for r, n in grow.items() if (r, n) not in self.lost)
             members, joiners = self._agree(gen, sorted((set(self.members) - lost) | set(joiners)), joiners, error)
-            source = next(m for m in members if m not in joiners)  # this rank is one: it was not lost
+            try:
+                self.state.check(members)
+            except StateError as exc:
+                raise LiveRecoveryError(f"rank {self.me}: {exc}") from error
             incarnation = {**self.incarnation, **joiners}
             for n in joiners.values():  # where each replacement learns its group (the same value from every rank)
                 invite = f"{KEY}invite/{n}"
                 self.store.set(invite, self.seal.sign(invite, json.dumps(
-                    {"gen": gen, "members": members, "source": source,
+                    {"gen": gen, "members": members, "joiners": sorted(joiners),
                      "incarnation": {str(m): incarnation.get(m, 0) for m in members}})))
             if self._form(gen, members, epoch):
                 break
             gen += 1
         self.incarnation = {m: incarnation.get(m, 0) for m in members}
         if joiners:
-            self._sync(index, source)
+            self._sync(index, sorted(joiners))
         with self.heard:
             for r in joiners:
                 self.replacing.pop(r, None)
@@ -245,7 +252,7 @@ class LiveGroup:
                                         f"{self.timeout:g} s (ddp.timeout)")
             time.sleep(0.01)
         self.joining = 0
-        return self._sync(None, invite["source"])
+        return self._sync(None, invite["joiners"])
 
     def _form(self, gen: int, members: list[int], epoch: int | None, fresh: bool = False,
               invite: str | None = None) -> bool:
@@ -273,56 +280,13 @@ class LiveGroup:
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"{KEY}{gen}/pg/", self.store),
                                 rank=self.rank, world_size=len(members), timeout=timedelta(seconds=self.timeout),
                                 device_id=self.device if self.backend == "nccl" and len(members) > 1 else None)
+        self.state.formed(members, self.me, self.backend)
         return True
 
-    def _sync(self, index: int | None, source: int) -> int:
-        """Every member takes the model's parameters and buffers (in place), the optimizer's state, the data
-        loader's position and the step from ``source`` (a rank number) over the group; returns the step."""
-        import io
-
-        import torch
-        import torch.distributed as dist
-
-        src, model, opt = self.members.index(source), self.model, self.optimizer
-        tensors = [*model.parameters(), *model.buffers()]
-        dev = tensors[0].device if self.backend == "nccl" and tensors else torch.device("cpu")
-        head = torch.tensor([-1 if index is None else index, 0], dtype=torch.int64, device=dev)
-        blob = b""
-        if self.me == source:
-            buf = io.BytesIO()
-            torch.save({"optimizer": opt.state_dict(),
-                        "loader": self.loader.state_dict() if self.loader is not None else None}, buf)
-            blob = buf.getvalue()
-            head[1] = len(blob)
-        dist.broadcast(head, src)
-        with torch.no_grad():
-            for t in tensors:
-                dist.broadcast(t, src)
-        data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev) if self.me == source
-                else torch.empty(int(head[1]), dtype=torch.uint8, device=dev))
-        dist.broadcast(data, src)
-        if index is None:  # the replacement: a state its code never had
-            state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
-            opt.load_state_dict(state["optimizer"])
-            if self.loader is not None and state["loader"] is not None:
-                self.loader.load_state_dict(state["loader"])
-        return int(head[0])
-
-
-def _average(params: list, world_size: int) -> None:
-    """Average the gradients of ``params`` over the current group: one all-reduce per dtype and device."""
-    import torch
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict[tuple, list] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)  # every rank sends the same buffers, used or not
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in groups.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= world_size
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+    def _sync(self, index: int | None, joiners: list[int]) -> int:
+        """Every member takes the state (see :mod:`~dask_ddp.rank.live_state`) from the members that are not
+        ``joiners``; returns the step. Raises LiveRecoveryError (no whole copy of the state is left)."""
+        try:
+            return self.state.sync(index, self.members, joiners, self.me, self.backend)
+        except StateError as exc:
+            raise LiveRecoveryError(f"rank {self.me}: {exc}") from None

@@ -21,6 +21,7 @@ import cloudpickle
 from tblib import pickling_support
 
 from dask_ddp.rank import preemption
+from dask_ddp.rank.live_group import LiveRecoveryError
 from dask_ddp.wire.errors import RankExitError, RankFailedError, SerializationError
 from dask_ddp.wire.messages import Failed, Result, Saved
 
@@ -49,7 +50,9 @@ def outcome(call: Callable[[], Any], rank: int, worker: str, finish: Callable[[]
         exc = _as_exception(exc, rank, worker)
         _add_hint(exc)
         # a broken collective on a survivor is a consequence, not a root cause
-        return Failed(_serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc))
+        summary = (f"live recovery could not go on: {str(exc).splitlines()[0][:300]}"
+                   if isinstance(exc, LiveRecoveryError) and str(exc) else "")
+        return Failed(_serialize_error(exc, rank, worker), time.time(), _is_collective_error(exc), summary)
 
 
 def _serialize_error(exc: BaseException, rank: int, worker: str) -> bytes:

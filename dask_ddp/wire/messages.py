@@ -64,11 +64,14 @@ class Result:
 @dataclass(frozen=True)
 class Failed:
     """The training function (or the rank's start) raised: the exception pickled, when, and whether it is a
-    broken collective seen by a survivor (``secondary``), a consequence of another rank's failure."""
+    broken collective seen by a survivor (``secondary``), a consequence of another rank's failure; ``summary``:
+    a line for ``job.history`` where dask-ddp's own error says why the job goes on as it does (live recovery
+    that could not go on), else empty."""
 
     error: bytes = field(repr=False)
     time: float
     secondary: bool = False
+    summary: str = ""
 
 
 @dataclass(frozen=True)

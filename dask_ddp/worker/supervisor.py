@@ -245,7 +245,7 @@ class Supervisor:
                     result = RankOutcome(self.rank, self.address, Status.PREEMPTED, preempt=msg.stopped)
                 elif isinstance(msg, Failed):
                     result = RankOutcome(self.rank, self.address, Status.ERROR, error=msg.error, time=msg.time,
-                                         secondary=msg.secondary, preempt=self._preempt())
+                                         secondary=msg.secondary, preempt=self._preempt(), message=msg.summary)
                     self.rule.set_abort()  # stop the others now, not when the client notices
                 else:
                     self._handle(msg)
