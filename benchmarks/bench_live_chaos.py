@@ -1,9 +1,14 @@
 """Chaos: a rank killed every ``--every`` s for ``--duration`` s of a 3-rank DDP job, three ways, in one run.
 
+With ``--kind hsdp``: a 4-rank HSDP job instead (2 replica groups of 2 ranks, FSDP2 on a 2-D mesh; live:
+``live_steps(build=, shards=2)``; restart: ``dask_ddp.save_sharded``/``load_sharded``; torchrun: torch's DCP
+``save``/``load``), ranks 1, 2 and 3 killed in turn, a cluster of 5 workers for the live way.
+
 Usage::
 
     python benchmarks/bench_live_chaos.py [--duration 120] [--every 20] [--out benchmarks/RESULTS_live_chaos.md]
     python benchmarks/bench_live_chaos.py --ways live --hidden 262144   # a 69 MB state to heal
+    python benchmarks/bench_live_chaos.py --kind hsdp --duration 300 --out benchmarks/RESULTS_live_chaos_hsdp.md
 
 ``--hidden`` widens the model's hidden layer (64: a few KB of state); past 64 the script first times one gloo
 broadcast of the state's bytes between two processes (the peer bandwidth a heal can have at best), for the
@@ -63,7 +68,8 @@ BASE_ENV = dict(os.environ)
 WAYS = ("live", "restart", "torchrun")
 
 
-def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", launcher="dask-ddp", hidden=64):
+def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", launcher="dask-ddp", hidden=64,
+          kind="ddp"):
     """Steps until stopped from outside; every event logged (see the module docstring)."""
     import json
     import os
@@ -93,6 +99,8 @@ def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", laun
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    if kind == "hsdp":
+        return train_hsdp(mode, ckpt_every, step_s, ckpt_dir, launcher, hidden, log, batch, rank)
     if mode == "live":
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         for step in dask_ddp.live_steps(10**9, model=net, optimizer=opt):
@@ -143,6 +151,82 @@ def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", laun
                 os.replace(tmp, os.path.join(ckpt_dir, f"step-{step:09d}.pt"))
 
 
+def train_hsdp(mode, ckpt_every, step_s, ckpt_dir, launcher, hidden, log, batch, rank):
+    """The HSDP job (2 replica groups of 2 ranks, FSDP2 on gloo) of :func:`train`, the same model and steps."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mesh):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        for block in (net[0], net[2], net):
+            fully_shard(block, mesh=mesh)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    if mode == "live":
+        import dask_ddp
+
+        for step in dask_ddp.live_steps(10**9, build=build, shards=2):
+            with step:
+                log("begin", step=step.index)
+                x, y = batch(step.index, step.rank)
+                loss = nn.functional.mse_loss(step.model(x), y)
+                step.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                step.optimizer.step()
+                time.sleep(step_s)
+            if step.committed:
+                log("commit", step=step.index)
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net, opt = build(init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("replicate", "shard")))
+    start = 0
+    if launcher == "dask-ddp":
+        import dask_ddp
+
+        state = {"model": net, "optim": opt, "step": 0}
+        start = dask_ddp.load_sharded(state) or 0
+    else:  # torch's own DCP, each step in a folder renamed into place once every rank has written
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        names = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("step-"))
+        if names:
+            msd, osd = get_state_dict(net, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, names[-1]))
+            set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            start = int(names[-1].split("-")[1])
+    log("resume", step=start)
+    step = start
+    while True:
+        log("begin", step=step)
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        time.sleep(step_s)
+        log("commit", step=step)
+        step += 1
+        if step % ckpt_every == 0:
+            if launcher == "dask-ddp":
+                dask_ddp.save_sharded({"model": net, "optim": opt, "step": step}, step)
+            else:
+                msd, osd = get_state_dict(net, opt)
+                tmp = os.path.join(ckpt_dir, f".tmp-{step:09d}")
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+                dist.barrier()
+                if rank == 0:
+                    os.replace(tmp, os.path.join(ckpt_dir, f"step-{step:09d}"))
+
+
 def _events(log_dir: Path) -> list[dict]:
     out = []
     for path in log_dir.glob("rank*.jsonl"):
@@ -167,15 +251,17 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
         d.mkdir(parents=True)
     kw = dict(mode="live" if way == "live" else "restart", ckpt_every=args.ckpt_every, step_s=args.step_s,
               log_dir=str(log_dir), ckpt_dir=str(ckpt_dir), launcher="torchrun" if way == "torchrun" else "dask-ddp",
-              hidden=args.hidden)
+              hidden=args.hidden, kind=args.kind)
+    ranks = 4 if args.kind == "hsdp" else 3
     kills, stop = [], None
     if way == "torchrun":
         script = work / "chaos_train.py"
         script.write_text("import torch.distributed as dist\n" + textwrap.dedent(inspect.getsource(train)) +
+                          textwrap.dedent(inspect.getsource(train_hsdp)) +
                           f"\ndist.init_process_group('gloo')\ntrain(**{kw!r})\n")
         env = {**BASE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "3", "--max-restarts", "100", "--local-addr", "127.0.0.1", str(script)], env=env,
+                                 str(ranks), "--max-restarts", "100", "--local-addr", "127.0.0.1", str(script)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         stop = lambda: os.killpg(proc.pid, signal.SIGTERM)  # noqa: E731
         cluster = client = job = None
@@ -186,22 +272,23 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
         import dask_ddp
 
         dask.config.set({"ddp.live.max-replacements": 10_000})  # as max_restarts=100: never the limit here
-        cluster = LocalCluster(n_workers=4 if way == "live" else 3, threads_per_worker=1, host="127.0.0.1",
-                               dashboard_address=None)
+        cluster = LocalCluster(n_workers=ranks + 1 if way == "live" else ranks, threads_per_worker=1,
+                               host="127.0.0.1", dashboard_address=None)
         client = Client(cluster)
         dask_ddp.dispatch.warm_up(client)
-        opts = dict(recovery="live", workers=3) if way == "live" else dict(max_restarts=100,
+        opts = dict(recovery="live", workers=ranks) if way == "live" else dict(max_restarts=100,
                                                                            checkpoint_dir=str(ckpt_dir))
         job = dask_ddp.dispatch.run(client, train, progress=False, **opts, **kw)
         stop = job.cancel
     while not any(e["event"] == "commit" for e in _events(log_dir)):  # timed from the first step
         time.sleep(0.05)
     began = time.time()
-    victim = 1
+    victims = list(range(1, ranks))  # rank 0 hosts the store in every launcher
     while time.time() - began < duration:
         nap = every - (time.time() - began) % every if every else duration - (time.time() - began)
         time.sleep(max(0.0, min(nap, duration - (time.time() - began))))
         if every and time.time() - began < duration - 1:
+            victim = victims[len(kills) % len(victims)]
             pid = _current_pid(log_dir, victim)
             if pid is not None:
                 kills.append((time.time(), victim, pid))
@@ -209,7 +296,6 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     kills.pop()
-            victim = 3 - victim
     ended = time.time()
     history = list(job.history) if job is not None else []
     spent = job.goodput.loc["job"].to_dict() if job is not None else {}  # dask-ddp's own ledger of the time
@@ -219,6 +305,8 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
     else:
         client.close()
         cluster.close()
+    if os.environ.get("CHAOS_KEEP"):
+        print(json.dumps({"way": way, "every": every, "goodput": spent, "history": [h[-1] for h in history]}))
     return {**_figures(_events(log_dir), kills, began, ended, history), "goodput": spent}
 
 
@@ -268,6 +356,8 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.03)
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--hidden", type=int, default=64, help="the hidden layer's width (the state's size)")
+    ap.add_argument("--kind", choices=("ddp", "hsdp"), default="ddp",
+                    help="ddp: 3 ranks; hsdp: 4 ranks, 2 replica groups of 2, FSDP2")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     state = (32 * args.hidden + 2 * args.hidden + 1) * 4 * 2  # fp32 parameters and SGD's momentum
@@ -296,7 +386,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("CHAOS_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
     if args.out:
         _write(Path(args.out), rows, args)
 
@@ -335,8 +426,10 @@ def _write(path: Path, rows: list[dict], args) -> None:
     def f(x, fmt="{:.2f} s"):
         return "n/a" if x is None or x != x else fmt.format(x)
 
-    lines = [f"# Chaos: a rank killed every {args.every:g} s for {args.duration:g} s (3 ranks, gloo, CPU)", "",
+    what = "3 ranks" if args.kind == "ddp" else "HSDP: 4 ranks, 2 replica groups of 2, FSDP2"
+    lines = [f"# Chaos: a rank killed every {args.every:g} s for {args.duration:g} s ({what}, gloo, CPU)", "",
              f"`python benchmarks/bench_live_chaos.py{'' if args.ways == ','.join(WAYS) else ' --ways ' + args.ways}"
+             f"{'' if args.kind == 'ddp' else ' --kind ' + args.kind}"
              f"{'' if args.hidden == 64 else f' --hidden {args.hidden}'} --duration {args.duration:g} "
              f"--every {args.every:g}`, "
              f"{datetime.date.today()}, the 2-core machine (shared: figures vary by ~30 % from run to run). "

@@ -136,6 +136,39 @@ def test_a_restart_counts_its_price_as_recovery_and_the_steps_done_again_as_redo
     assert row["productive_s"] >= 8 * 0.15 * 0.8, dict(row)  # steps 0-5 of the first attempt, 6-13 of the second
 
 
+def sharded_quiet(steps: int, step_s: float):
+    """An FSDP2 loop with no DataLoader and no report() until its end (the mark a plain loop has is its model's
+    first forward)."""
+    import time
+
+    import torch
+
+    import dask_ddp
+
+    net = dask_ddp.shard_model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(steps):
+        loss = net(torch.ones(2, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(step_s)
+    dask_ddp.report(step=steps, loss=loss.item())
+
+
+def test_a_loop_without_loader_or_reports_starts_at_its_models_first_forward(client):
+    """8 FSDP2 steps of 0.15 s with one report() at the end: each rank's start-up ends at the first forward, so
+    its productive time covers the steps (before, the first mark was that report: the whole loop counted as
+    start-up, productive 0)."""
+    job = run(client, sharded_quiet, 8, 0.15)
+    job.result(timeout=120)
+    table = job.goodput
+    print(table.round(3).to_string())
+    for rank in (0, 1):
+        assert table.loc[rank, "productive_s"] >= 8 * 0.15 * 0.9, dict(table.loc[rank])
+    _row_sums(table)
+
+
 def test_goodput_is_empty_with_telemetry_off(client):
     with dask.config.set({"ddp.telemetry.enabled": False}):
         job = run(client, fails_once, 2, 0.0)

@@ -30,7 +30,7 @@ from collections import deque
 
 from dask_ddp.rank import goodput
 
-__all__ = ["patch_ddp", "settle"]
+__all__ = ["patch_ddp", "settle", "mark_first_forward"]
 
 _PENDING: deque = deque()  # (start, end) CUDA events of NCCL steps not yet known to be done
 
@@ -108,13 +108,16 @@ def settle(counters) -> None:
         counters.coll_wait += max(0.0, start.elapsed_time(end) / 1000.0)
 
 
-def _mark_first_forward(module) -> None:
-    """Mark the rank's first step at ``module``'s first forward (a hook that removes itself)."""
+def mark_first_forward() -> None:
+    """Mark the rank's first step at the first forward of any module (DDP, FSDP2, a plain one): a global hook
+    that removes itself then, or at the first forward after another mark (a batch asked for, ``report()``)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
     def first(mod, inputs):
         goodput.began()
         handle.remove()  # returns None: the inputs go on unchanged
 
-    handle = module.register_forward_pre_hook(first)
+    handle = register_module_forward_pre_hook(first)
 
 
 def patch_ddp(counters) -> None:
@@ -127,8 +130,6 @@ def patch_ddp(counters) -> None:
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        if goodput.LEDGER.first is None:  # the first forward starts the first step (the rank's goodput)
-            _mark_first_forward(self)
         if counters.ddp_timed or self._comm_hooks:
             return  # a later model, or one with a hook of its own (mixed_precision=)
         timing = _Timing(counters, self.process_group)

@@ -314,4 +314,5 @@ def start(rank: int, attempt: int, interval: float, joined: int = 0) -> Sampler:
     goodput.LEDGER.reset(COUNTERS.input_wait)
     _patch_dataloader()
     collectives.patch_ddp(COUNTERS)
+    collectives.mark_first_forward()
     return Sampler(rank, attempt, interval, joined=joined)
