@@ -261,8 +261,8 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
                           f"\ndist.init_process_group('gloo')\ntrain(**{kw!r})\n")
         env = {**BASE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 str(ranks), "--max-restarts", "100", "--local-addr", "127.0.0.1", str(script)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                 str(ranks), "--max-restarts", "100", "--local-addr", "127.0.0.1", str(script)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         stop = lambda: os.killpg(proc.pid, signal.SIGTERM)  # noqa: E731
         cluster = client = job = None
     else:
