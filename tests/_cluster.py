@@ -13,11 +13,14 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import cloudpickle
 import psutil
 from dask.distributed import Client, LocalCluster
 
 import dask_ddp
 from dask_ddp import dispatch
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # its helpers run in ranks too (worker_pid)
 
 
 @contextlib.contextmanager
@@ -28,6 +31,16 @@ def local_client(n_workers: int = 2, **cluster_kw: Any) -> Iterator[Client]:
     cluster_kw.setdefault("dashboard_address", "127.0.0.1:0")
     with LocalCluster(n_workers=n_workers, processes=True, **cluster_kw) as cluster, Client(cluster) as client:
         yield client
+
+
+def worker_pid(ctx) -> int:
+    """Inside a rank: the PID of its Dask worker, the process listening on its address (a rank's parent is its
+    zygote)."""
+    import psutil
+
+    port = int(ctx.worker.rsplit(":", 1)[1])
+    return next(c.pid for c in psutil.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
 
 
 def run(client, fn, *args, **kwargs):

@@ -14,7 +14,7 @@ import time
 import dask
 import pytest
 import torch
-from _cluster import local_client, run
+from _cluster import local_client, run, worker_pid
 
 import dask_ddp
 
@@ -30,15 +30,6 @@ def build(mesh):
     return net, torch.optim.Adam(net.parameters(), lr=0.01)
 
 
-def _worker_pid(ctx) -> int:
-    """The PID of the rank's Dask worker: the process listening on its address (a rank's parent is its zygote)."""
-    import psutil
-
-    port = int(ctx.worker.rsplit(":", 1)[1])
-    return next(c.pid for c in psutil.net_connections(kind="tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
-
-
 def train_hsdp(steps: int, kill_rank: int, kill_at: int, once: str | None = None, how: str = "process"):
     ctx = dask_ddp.get_context()
     runs, pid, killer = [], os.getpid(), False
@@ -50,10 +41,10 @@ def train_hsdp(steps: int, kill_rank: int, kill_at: int, once: str | None = None
             if killer and step.index == kill_at:
                 open(once, "w").close()
                 if how == "worker":  # its rank goes with it (the supervisor's pipe closes)
-                    os.kill(_worker_pid(ctx), signal.SIGKILL)
+                    os.kill(worker_pid(ctx), signal.SIGKILL)
                     time.sleep(30)
                 if how == "hang":  # a host cut off: the worker and the rank stop, no FIN ever comes
-                    worker = _worker_pid(ctx)
+                    worker = worker_pid(ctx)
                     with open(once + ".pids", "w") as f:
                         f.write(f"{worker} {pid}")
                     os.kill(worker, signal.SIGSTOP)

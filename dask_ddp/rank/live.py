@@ -32,8 +32,11 @@ Rank 0's process is no exception: the job's store lives in a keeper process (:mo
 HSDP too: ``live_steps(total, build=build, shards=n)`` rebuilds the FSDP2 model on each new group's mesh, and
 a replica group that took a replacement in heals from another replica's memory (:mod:`dask_ddp.rank.live_state`).
 
-What this part does not do yet (issue 42): plain FSDP (one copy of each shard: no memory tier yet), an HSDP job
-going on with a replica group fewer (no spare: it falls back to a restart), the loss of rank 0's worker or host
+Plain FSDP2: ``live_steps(total, build=build)``: each rank's shards are kept in a peer's memory after every
+step and resharded onto the group left after a loss (:mod:`dask_ddp.rank.live_memory`).
+
+What this part does not do yet (issue 42): an HSDP job going on with a replica group fewer (no spare: it falls
+back to a restart), the loss of rank 0's worker or host
 (the store's keeper goes with it: a restart), a collective of the user's own blocked on a hung peer (only those
 of live_steps' block are released).
 """
@@ -46,6 +49,7 @@ from typing import Any, Callable, Iterator
 
 from dask_ddp.rank import goodput
 from dask_ddp.rank.live_group import LiveGroup, LiveRecoveryError, StepAborted
+from dask_ddp.rank.live_memory import InMemory
 from dask_ddp.rank.live_state import Replicated, Sharded
 from dask_ddp.wire.notices import Seal
 
@@ -139,7 +143,8 @@ class LiveStep:
 
 
 def live_steps(total: int, *, model: Any = None, optimizer: Any = None, loader: Any = None, start: int = 0,
-               build: Callable | None = None, shards: int | None = None) -> Iterator[LiveStep]:
+               build: Callable | None = None, shards: int | None = None,
+               memory_budget: int | None = 4 << 30) -> Iterator[LiveStep]:
     """Steps ``start`` .. ``total - 1`` of a live-recovered loop; a step whose group lost a member runs again.
 
     DDP: ``model``, the plain ``torch.nn.Module`` (not wrapped in ``DistributedDataParallel``), and
@@ -154,6 +159,13 @@ def live_steps(total: int, *, model: Any = None, optimizer: Any = None, loader: 
     ``build`` and each rank keeps its shards; use ``step.model`` and ``step.optimizer`` in the loop, as they
     change with the group. A replica group that lost a rank heals from another one's memory (see
     :mod:`dask_ddp.rank.live_state`); without a spare worker for it, the job falls back to a restart.
+
+    FSDP2 (one copy of each shard): ``build`` without ``shards``: the mesh is 1-D over the group, and after each
+    step every rank's shards are copied to its memory and to a peer's (:mod:`dask_ddp.rank.live_memory`); a
+    loss rolls the group back to the newest step held for every rank (one step at most, as a rule) and
+    reshards it onto the ranks left, or onto the replacement's group. ``memory_budget``: bytes of snapshots
+    (two of its own, two of its peer's) a rank may hold; past it the tier is off (a warning) and a loss
+    restarts the job. ``step.index`` may then go back: data chosen by ``step.index`` stays right.
 
     ``loader``: a :class:`~dask_ddp.data.StreamingLoader` whose batches the
     steps take (``step.batch``, epoch after epoch): a step run again gets the same samples back, the loader
@@ -177,10 +189,14 @@ def live_steps(total: int, *, model: Any = None, optimizer: Any = None, loader: 
     if live is None:
         raise LiveRecoveryError("live_steps() runs in a rank of a job started with dispatch.run(..., "
                                 "recovery=\"live\"); this rank has no live group")
-    if (build is None) == (model is None or optimizer is None) or (build is None) != (shards is None):
-        raise TypeError("live_steps() takes model= and optimizer= (DDP), or build= and shards= (HSDP)")
-    state = (Replicated(model, optimizer, loader) if build is None
-             else Sharded(build, shards, len(live.members), live.device, loader))  # type: ignore[arg-type]
+    if (build is None) == (model is None or optimizer is None) or (build is None and shards is not None):
+        raise TypeError("live_steps() takes model= and optimizer= (DDP), or build= (FSDP2; with shards=, HSDP)")
+    if build is None:
+        state: Replicated = Replicated(model, optimizer, loader)
+    elif shards is None:  # plain FSDP2: one copy of each shard, kept in a peer's memory too
+        state = InMemory(build, len(live.members), live.device, loader, memory_budget, _host_stride())
+    else:
+        state = Sharded(build, shards, len(live.members), live.device, loader)
     live.attach(state)
     goodput.began()
     if live.joining:  # a replacement: the step, model, optimizer and loader come from the survivors' memory
@@ -202,6 +218,9 @@ def live_steps(total: int, *, model: Any = None, optimizer: Any = None, loader: 
             else:
                 state.optimizer.zero_grad(set_to_none=True)
                 attempts += 1
+            if live.resume is not None:  # plain FSDP2: the group rolled back to its newest snapshot
+                goodput.add("redone", max(0, index - live.resume) * (pace[0] or 0.0))  # committed, to run again
+                index, live.resume = live.resume, None
     finally:
         taken.give_back()
         batches.close()
@@ -227,11 +246,14 @@ class _TakenOver:
             if live.lost_members():  # a member is known lost: its collective would fail or hang
                 raise StepAborted()
             live.average()
+            live.state.before_vote()  # plain FSDP2: the previous step's snapshot is across first
             s.voted = True
             s.committed, s.grow = live.commit(s.index)
             if not s.committed:
                 raise StepAborted()
-            return own(*args, **kwargs)
+            out = own(*args, **kwargs)
+            live.state.applied(s.index, live.members, live.me)  # plain FSDP2: its snapshot taken and sent
+            return out
 
         self.own, optimizer.step = own, step
 
@@ -239,6 +261,15 @@ class _TakenOver:
         if self.optimizer is not None:
             self.optimizer.step = self.own
             self.optimizer = None
+
+
+def _host_stride() -> int:
+    """How far a rank's snapshot peer is from it in the group: the ranks of one host (ranks are numbered host by
+    host), so that the peer is on another host where the job spans hosts; 1 on one host."""
+    from dask_ddp.rank.context import get_context
+
+    ctx = get_context()
+    return ctx.local_world_size if ctx.num_nodes > 1 else 1
 
 
 class _Batches:

@@ -75,6 +75,7 @@ class LiveGroup:
         self.epoch = 0  # losses heard so far: a group still forming is given up when one more comes
         self.heard = threading.Condition()
         self.state: Any = None  # what the group holds and heals (dask_ddp.rank.live_state)
+        self.resume: int | None = None  # the step to run after a re-forming that rolled the state back
         self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
 
     def attach(self, state: Any) -> None:
@@ -191,7 +192,8 @@ class LiveGroup:
         """Re-form the group at step ``index``: without the members lost, with the replacements starting for them
         and with ``grow`` (rank -> n: replacements of ranks the group went on without, taken in at a step
         boundary); every member then takes the state from a survivor if any joined. Raises LiveRecoveryError."""
-        gen, grow = self.gen + 1, grow or {}
+        gen, grow, before = self.gen + 1, grow or {}, list(self.members)
+        self.state.settle()  # plain FSDP2: a peer's snapshot that has arrived is kept before the group goes
         while True:
             with self.heard:
                 lost, epoch = self.lost_members(), self.epoch
@@ -206,14 +208,14 @@ class LiveGroup:
             for n in joiners.values():  # where each replacement learns its group (the same value from every rank)
                 invite = f"{KEY}invite/{n}"
                 self.store.set(invite, self.seal.sign(invite, json.dumps(
-                    {"gen": gen, "members": members, "joiners": sorted(joiners),
+                    {"gen": gen, "members": members, "joiners": sorted(joiners), "before": before,
                      "incarnation": {str(m): incarnation.get(m, 0) for m in members}})))
             if self._form(gen, members, epoch):
                 break
             gen += 1
         self.incarnation = {m: incarnation.get(m, 0) for m in members}
-        if joiners:
-            self._sync(index, sorted(joiners))
+        if joiners or self.state.always_sync:
+            self.resume = self._sync(index, sorted(joiners), before)
         with self.heard:
             for r in joiners:
                 self.replacing.pop(r, None)
@@ -252,7 +254,7 @@ class LiveGroup:
                                         f"{self.timeout:g} s (ddp.timeout)")
             time.sleep(0.01)
         self.joining = 0
-        return self._sync(None, invite["joiners"])
+        return self._sync(None, invite["joiners"], invite["before"])
 
     def _form(self, gen: int, members: list[int], epoch: int | None, fresh: bool = False,
               invite: str | None = None) -> bool:
@@ -283,10 +285,11 @@ class LiveGroup:
         self.state.formed(members, self.me, self.backend)
         return True
 
-    def _sync(self, index: int | None, joiners: list[int]) -> int:
+    def _sync(self, index: int | None, joiners: list[int], before: list[int]) -> int:
         """Every member takes the state (see :mod:`~dask_ddp.rank.live_state`) from the members that are not
-        ``joiners``; returns the step. Raises LiveRecoveryError (no whole copy of the state is left)."""
+        ``joiners`` (or, plain FSDP2, from the snapshots of the members ``before``); returns the step to run.
+        Raises LiveRecoveryError (no whole copy of the state is left)."""
         try:
-            return self.state.sync(index, self.members, joiners, self.me, self.backend)
+            return self.state.sync(index, self.members, joiners, self.me, self.backend, before)
         except StateError as exc:
             raise LiveRecoveryError(f"rank {self.me}: {exc}") from None

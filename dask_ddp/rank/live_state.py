@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from dask_ddp.wire.errors import DaskDDPError
 
-__all__ = ["Replicated", "Sharded", "StateError"]
+__all__ = ["Replicated", "Sharded", "StateError", "loader_position", "put_loader"]
 
 
 class StateError(DaskDDPError):
@@ -37,6 +37,16 @@ class Replicated:
     """A DDP rank's state: ``model`` (the plain module) and ``optimizer``, the same on every rank."""
 
     whole_block = False  # its collectives are at the optimizer's step only (the gradients' all-reduce)
+    always_sync = False  # a new group takes the state from the members only when a replacement joined
+
+    def applied(self, index: int, members: list[int], me: int) -> None:
+        """Step ``index`` was applied (the state keeps no snapshots)."""
+
+    def before_vote(self) -> None:
+        """Nothing to wait for before a vote."""
+
+    def settle(self) -> None:
+        """Nothing in flight to keep before the group is re-formed."""
 
     def __init__(self, model: Any, optimizer: Any, loader: Any = None) -> None:
         self.model, self.optimizer, self.loader = model, optimizer, loader
@@ -52,7 +62,8 @@ class Replicated:
         """Average the gradients over the group: one all-reduce per dtype and device."""
         _average(self.params, world_size)
 
-    def sync(self, index: int | None, members: list[int], joiners: list[int], me: int, backend: str) -> int:
+    def sync(self, index: int | None, members: list[int], joiners: list[int], me: int, backend: str,
+             before: list[int] | None = None) -> int:
         """Every member takes the model's parameters and buffers (in place), the optimizer's state, the data
         loader's position and the step from the first member that is not a joiner; returns the step."""
         import torch
@@ -61,14 +72,14 @@ class Replicated:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         dev = tensors[0].device if backend == "nccl" and tensors else torch.device("cpu")
         state = _bytes_from(members.index(source), me == source, index, dev, tensors,
-                            lambda: {"optimizer": self.optimizer.state_dict(), "loader": _position(self.loader)})
+                            lambda: {"optimizer": self.optimizer.state_dict(), "loader": loader_position(self.loader)})
         if index is None:  # the replacement: a state its code never had
             self.optimizer.load_state_dict(state["optimizer"])
-            _reposition(self.loader, state["loader"])
+            put_loader(self.loader, state["loader"])
         return state["index"]
 
 
-class Sharded:
+class Sharded(Replicated):
     """An HSDP rank's state: the model and optimizer ``build(mesh)`` returns, sharded by FSDP2 over ``shards``
     ranks; rebuilt on every new group (see the module docstring). ``device``: the rank's device (its type
     names the mesh's)."""
@@ -101,25 +112,31 @@ class Sharded:
         """Make the new group's mesh and rebuild the model on it with ``build(mesh)``, then put this rank's own
         shards and optimizer state back (none the first time). Raises TypeError (``build`` returned something
         other than a module and its optimizer)."""
-        import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        kept = self._local() if self.model is not None else None
+        kept = self.local_state() if self.model is not None else None
         self.model = self.optimizer = None  # the old mesh's modules go before the new ones are built
         self.mesh = init_device_mesh(self.device_type, (len(members) // self.shards, self.shards),
                                      mesh_dim_names=("replicate", "shard"))
-        built = self.build(self.mesh)
+        self.model, self.optimizer = self.rebuild(self.mesh)
+        if kept is not None:
+            self._put_back(kept)
+
+    def rebuild(self, mesh: Any) -> tuple[Any, Any]:
+        """``build(mesh)``: the model sharded on ``mesh`` and its optimizer. Raises TypeError (anything else)."""
+        import torch
+
+        built = self.build(mesh)
         if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
             raise TypeError(f"live_steps(build=...): build(mesh) must return (model, optimizer), the model sharded "
                             f"with fully_shard on that mesh; it returned {type(built).__name__}")
-        self.model, self.optimizer = built
-        if kept is not None:
-            self._put_back(kept)
+        return built
 
     def average(self, world_size: int) -> None:
         """Nothing: FSDP2 reduced the gradients over both mesh dimensions in the backward."""
 
-    def sync(self, index: int | None, members: list[int], joiners: list[int], me: int, backend: str) -> int:
+    def sync(self, index: int | None, members: list[int], joiners: list[int], me: int, backend: str,
+             before: list[int] | None = None) -> int:
         """The replica groups that took a joiner in take every shard, the optimizer's state, the loader's position
         and the step from the first replica group that did not (a broadcast per replicate group); returns the
         step. Raises StateError (every replica group took a joiner: no whole copy of the state is left)."""
@@ -135,14 +152,15 @@ class Sharded:
         tensors = [p.to_local() for p in self.model.parameters()] + list(self.model.buffers())
         dev = tensors[0].device if backend == "nccl" and tensors else torch.device("cpu")
         state = _bytes_from(source, me // self.shards == whole[0], index, dev, tensors,
-                            lambda: {"optimizer": self._local()["optimizer"], "loader": _position(self.loader)},
+                            lambda: {"optimizer": self.local_state()["optimizer"],
+                                     "loader": loader_position(self.loader)},
                             group=self.mesh.get_group("replicate"))
         if mine:
             self._put_back({"optimizer": state["optimizer"]}, params=False)
-            _reposition(self.loader, state["loader"])
+            put_loader(self.loader, state["loader"])
         return state["index"]
 
-    def _local(self) -> dict:
+    def local_state(self) -> dict:
         """This rank's shards (plain tensors, copied) and its optimizer's state with plain local tensors."""
         from torch.distributed.tensor import DTensor
 
@@ -203,11 +221,13 @@ def _bytes_from(src: int, sending: bool, index: int | None, dev: Any, tensors: l
     return out
 
 
-def _position(loader: Any) -> Any:
+def loader_position(loader: Any) -> Any:
+    """The loader's ``state_dict()`` (None without a loader)."""
     return loader.state_dict() if loader is not None else None
 
 
-def _reposition(loader: Any, position: Any) -> None:
+def put_loader(loader: Any, position: Any) -> None:
+    """Put the loader at ``position`` (nothing without a loader or a position)."""
     if loader is not None and position is not None:
         loader.load_state_dict(position)
 
