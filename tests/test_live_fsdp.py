@@ -51,6 +51,20 @@ def train_fsdp(steps: int, kill_rank: int, kill_at: int, once: str | None = None
     return {"rank": ctx.rank, "pids": (pid, os.getpid()), "runs": runs, "params": full}
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """4 worker processes (3 ranks and a spare), shared by the module's tests: each waits for all 4 (a killed
+    worker's Nanny starts a new one)."""
+    with local_client(4) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def clean(cluster):
+    """The result of the job without a fault."""
+    return run(cluster, train_fsdp, STEPS, 9, 0, workers=3, recovery="live").result(timeout=180)
+
+
 def _check(out, clean, survivors, world, tol):
     for o in out:
         if o["rank"] in survivors:
@@ -67,47 +81,47 @@ def _check(out, clean, survivors, world, tol):
 
 
 @pytest.mark.parametrize("how", ["process", "worker"])
-def test_a_lost_fsdp_rank_is_replaced_with_its_shards_from_a_peers_memory(tmp_path, how):
+def test_a_lost_fsdp_rank_is_replaced_with_its_shards_from_a_peers_memory(cluster, clean, tmp_path, how):
     """Rank 1 lost at step 6 (its process or its Dask worker SIGKILLed) with a spare worker: ranks 0 and 2 keep
     their PIDs; the group rolls back to the newest step whose snapshot every rank's shards have (its own, or its
     peer's copy of rank 1's), the replacement takes rank 1's shards from there, and the parameters end equal to
     a run without the fault."""
-    with local_client(4) as client:
-        clean = run(client, train_fsdp, STEPS, 9, 0, workers=3, recovery="live").result(timeout=180)
-        job = run(client, train_fsdp, STEPS, 1, 6, str(tmp_path / "killed"), how, workers=3, recovery="live",
-                  stall_timeout=60)
-        out = job.result(timeout=240)
-        history = [h[-1] for h in job.history]
-        print(history)
-        assert [o["rank"] for o in out] == [0, 1, 2]
-        assert any("its replacement starts on" in h for h in history), history
-        _check(out, clean, (0, 2), 3, 1e-6)
+    cluster.wait_for_workers(4, timeout=60)
+    job = run(cluster, train_fsdp, STEPS, 1, 6, str(tmp_path / "killed"), how, workers=3, recovery="live",
+              stall_timeout=60)
+    out = job.result(timeout=240)
+    history = [h[-1] for h in job.history]
+    print(history)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert any("its replacement starts on" in h for h in history), history
+    _check(out, clean, (0, 2), 3, 1e-6)
 
 
-def test_a_lost_fsdp_rank_with_no_worker_free_leaves_its_shards_resharded_to_the_ranks_left(tmp_path):
+def test_a_lost_fsdp_rank_with_no_worker_free_leaves_its_shards_resharded_to_the_ranks_left(cluster, clean, tmp_path):
     """Rank 1 SIGKILLed at step 6 with no worker free (ddp.live.replace off): ranks 0 and 2 go on as a group of 2
     with rank 1's shards from memory, resharded onto 2 ranks (ragged: 5 rows over 3, then over 2); the result is
     the clean run's (up to the order of float sums: the global batch is split in 2 instead of 3)."""
-    with local_client(3) as client:
-        clean = run(client, train_fsdp, STEPS, 9, 0, recovery="live").result(timeout=180)
-        with dask.config.set({"ddp.live.replace": False}):
-            job = run(client, train_fsdp, STEPS, 1, 6, str(tmp_path / "killed"), recovery="live", stall_timeout=60)
-            out = job.result(timeout=240)
-        history = [h[-1] for h in job.history]
-        print(history)
-        assert [o["rank"] for o in out] == [0, 2]
-        _check(out, clean, (0, 2), 2, 1e-4)
+    cluster.wait_for_workers(4, timeout=60)
+    with dask.config.set({"ddp.live.replace": False}):
+        job = run(cluster, train_fsdp, STEPS, 1, 6, str(tmp_path / "killed"), workers=3, recovery="live",
+                  stall_timeout=60)
+        out = job.result(timeout=240)
+    history = [h[-1] for h in job.history]
+    print(history)
+    assert [o["rank"] for o in out] == [0, 2]
+    _check(out, clean, (0, 2), 2, 1e-4)
 
 
-def test_snapshots_past_the_memory_budget_turn_the_tier_off_and_a_loss_restarts(tmp_path):
+def test_snapshots_past_the_memory_budget_turn_the_tier_off_and_a_loss_restarts(cluster, tmp_path):
     """A memory budget of 1 KB: the first snapshot would pass it, so the tier is off (a warning in the job's log);
     rank 1's loss cannot be healed from memory, the attempt ends saying so, and the restart finishes."""
-    with local_client(3) as client:
-        job = run(client, train_fsdp, STEPS, 1, 6, str(tmp_path / "killed"), "process", 1000, recovery="live",
-                  max_restarts=1, stall_timeout=60)
+    cluster.wait_for_workers(4, timeout=60)
+    with dask.config.set({"ddp.live.replace": False}):
+        job = run(cluster, train_fsdp, STEPS, 1, 6, str(tmp_path / "killed"), "process", 1000, workers=3,
+                  recovery="live", max_restarts=1, stall_timeout=60)
         out = job.result(timeout=240)
-        history = [h[-1] for h in job.history]
-        print(history)
-        assert any("memory tier holds no snapshot" in h for h in history), history
-        assert job.attempt.index == 1 and [o["rank"] for o in out] == [0, 1, 2]
-        assert any("memory tier is off" in line for line in job.logs), job.logs
+    history = [h[-1] for h in job.history]
+    print(history)
+    assert any("memory tier holds no snapshot" in h for h in history), history
+    assert job.attempt.index == 1 and [o["rank"] for o in out] == [0, 1, 2]
+    assert any("memory tier is off" in line for line in job.logs), job.logs

@@ -21,6 +21,20 @@ import dask_ddp
 STEPS = 16
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """5 worker processes (4 ranks and a spare), shared by the module's tests: each waits for all 5 (a killed
+    worker's Nanny starts a new one)."""
+    with local_client(5) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def clean(cluster):
+    """The parameters of the job without a fault."""
+    return run(cluster, train_hsdp, STEPS, 9, 0, workers=4, recovery="live").result(timeout=180)
+
+
 def build(mesh):
     """The model sharded on ``mesh`` and its optimizer (Adam: state the heal must carry)."""
     torch.manual_seed(0)
@@ -61,51 +75,52 @@ def train_hsdp(steps: int, kill_rank: int, kill_at: int, once: str | None = None
 
 
 @pytest.mark.parametrize("how", ["process", "worker", "hang"])
-def test_a_rank_of_an_hsdp_replica_group_is_replaced_and_heals_from_the_other_replica(tmp_path, how):
+def test_a_rank_of_an_hsdp_replica_group_is_replaced_and_heals_from_the_other_replica(cluster, clean, tmp_path,
+                                                                                       how):
     """Rank 3 (replica group 1, shard 1) lost at step 6 of a 4-rank HSDP job with a spare worker (its process
     SIGKILLed; its Dask worker SIGKILLed; or both stopped, a host cut off, found silent after ddp.worker-timeout
     while its peers wait inside FSDP's collectives): ranks 0-2 keep their PIDs and redo at most one step; rank
     3's replacement starts at step 6 with the shards of rank 1 (its replica) from memory; every rank ends with the
     parameters of a run without the fault (1e-6)."""
     once = str(tmp_path / "killed")
-    with local_client(5) as client:
-        clean = run(client, train_hsdp, STEPS, 9, 0, workers=4, recovery="live").result(timeout=180)
-        try:
-            job = run(client, train_hsdp, STEPS, 3, 6, once, how, workers=4, recovery="live", stall_timeout=60,
-                      timeout=300)
-            out = job.result(timeout=240)
-        finally:
-            if os.path.exists(once + ".pids"):
-                for pid in map(int, open(once + ".pids").read().split()):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-        history = [h[-1] for h in job.history]
-        print(history)
-        assert [o["rank"] for o in out] == [0, 1, 2, 3]
-        assert any("its replacement starts on" in h for h in history), history
-        for o in out[:3]:
-            assert o["pids"][0] == o["pids"][1]
-            indices = [i for i, *_ in o["runs"]]
-            assert len(indices) - STEPS <= 1 and sorted(set(indices)) == list(range(STEPS)), indices
-            assert {w for *_, w, _ in o["runs"]} == {4}
-            redo = [t for i, _, _, t in o["runs"] if i == 6]
-            print(f"rank {o['rank']}: the failed step begun to its redo begun: {redo[-1] - redo[0]:.2f} s")
-            assert redo[-1] - redo[0] < 60, "released by a timeout, not by the recovery"
-        assert [i for i, *_ in out[3]["runs"]] == list(range(6, STEPS))
-        assert out[3]["pids"][0] not in {o["pids"][0] for o in out[:3]}
-        for a, b in zip(out, clean):
-            diff = (a["params"] - b["params"]).abs().max().item()
-            print(f"rank {a['rank']}: largest difference from the clean run {diff:.2e}")
-            assert diff <= 1e-6, f"rank {a['rank']}: parameters differ from the clean run by {diff}"
-        assert job.state == "FINISHED"
+    cluster.wait_for_workers(5, timeout=60)
+    try:
+        job = run(cluster, train_hsdp, STEPS, 3, 6, once, how, workers=4, recovery="live", stall_timeout=60,
+                  timeout=300)
+        out = job.result(timeout=240)
+    finally:
+        if os.path.exists(once + ".pids"):
+            for pid in map(int, open(once + ".pids").read().split()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    history = [h[-1] for h in job.history]
+    print(history)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert any("its replacement starts on" in h for h in history), history
+    for o in out[:3]:
+        assert o["pids"][0] == o["pids"][1]
+        indices = [i for i, *_ in o["runs"]]
+        assert len(indices) - STEPS <= 1 and sorted(set(indices)) == list(range(STEPS)), indices
+        assert {w for *_, w, _ in o["runs"]} == {4}
+        redo = [t for i, _, _, t in o["runs"] if i == 6]
+        print(f"rank {o['rank']}: the failed step begun to its redo begun: {redo[-1] - redo[0]:.2f} s")
+        assert redo[-1] - redo[0] < 60, "released by a timeout, not by the recovery"
+    assert [i for i, *_ in out[3]["runs"]] == list(range(6, STEPS))
+    assert out[3]["pids"][0] not in {o["pids"][0] for o in out[:3]}
+    for a, b in zip(out, clean):
+        diff = (a["params"] - b["params"]).abs().max().item()
+        print(f"rank {a['rank']}: largest difference from the clean run {diff:.2e}")
+        assert diff <= 1e-6, f"rank {a['rank']}: parameters differ from the clean run by {diff}"
+    assert job.state == "FINISHED"
 
 
-def test_an_hsdp_replica_group_left_short_falls_back_to_a_restart_and_says_why(tmp_path):
+def test_an_hsdp_replica_group_left_short_falls_back_to_a_restart_and_says_why(cluster, tmp_path):
     """No worker free (ddp.live.replace off): rank 1's replica group cannot be whole again, so live recovery
     cannot go on; the attempt ends, job.history says why, and the restart (max_restarts=1) finishes the job."""
-    with local_client(4) as client, dask.config.set({"ddp.live.replace": False}):
-        job = run(client, train_hsdp, STEPS, 1, 6, str(tmp_path / "killed"), recovery="live", max_restarts=1,
-                  stall_timeout=60)
+    cluster.wait_for_workers(5, timeout=60)
+    with dask.config.set({"ddp.live.replace": False}):
+        job = run(cluster, train_hsdp, STEPS, 1, 6, str(tmp_path / "killed"), workers=4, recovery="live",
+                  max_restarts=1, stall_timeout=60)
         out = job.result(timeout=240)
         history = [h[-1] for h in job.history]
         print(history)

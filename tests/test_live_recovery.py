@@ -23,7 +23,7 @@ STEPS = 24
 
 
 def train_live(steps: int, kill_rank, kill_at: int, when: str, once: str | None = None,
-               die_joining: str | None = None, step_s: float = 0.02):
+               die_joining: str | None = None, step_s: float = 0.02, own_collective: bool = False):
     ctx = dask_ddp.get_context()
     if die_joining and once and os.path.exists(once) and not os.path.exists(die_joining):  # the first replacement
         open(die_joining, "w").close()
@@ -62,6 +62,8 @@ def train_live(steps: int, kill_rank, kill_at: int, when: str, once: str | None 
             g = torch.Generator().manual_seed(1000 * step.index + step.rank)
             x = torch.randn(16, 8, generator=g)
             loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
+            if own_collective:  # the user's own collective, before live_steps' all-reduce
+                torch.distributed.all_reduce(loss.detach().clone())
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -153,15 +155,17 @@ def test_a_replacement_heals_from_the_survivors_memory_and_the_result_is_bitwise
         _check_rank_2_replaced(job)
 
 
-def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path):
+@pytest.mark.parametrize("own", [False, True])
+def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path, own):
     """Rank 2 and its Dask worker stopped (SIGSTOP: a host cut off, no FIN) at step 10 while ranks 0 and 1 wait in
-    the gradients' all-reduce: the worker's silence (ddp.worker-timeout, 6 s) makes it lost, and the survivors
-    shut down their connections to their peers and go on as a group of 2, long before gloo's timeout (300 s
-    here, 30 min by default)."""
+    the gradients' all-reduce (or, ``own``, in an all-reduce of the user's own before it): the worker's silence
+    (ddp.worker-timeout, 6 s) makes it lost, and the survivors shut down their connections to their peers and go
+    on as a group of 2, long before gloo's timeout (300 s here, 30 min by default)."""
     once = str(tmp_path / "stopped")
     with local_client(3) as client, dask.config.set({"ddp.live.replace": False}):
         try:
-            job = run(client, train_live, STEPS, 2, 10, "hang", once, recovery="live", timeout=300, stall_timeout=60)
+            job = run(client, train_live, STEPS, 2, 10, "hang", once, None, 0.02, own, recovery="live", timeout=300,
+                      stall_timeout=60)
             out = job.result(timeout=120)
         finally:
             if os.path.exists(once + ".pids"):

@@ -21,7 +21,8 @@ When a rank's process dies or its worker is lost, the controller sends every sur
 rank gets gloo's error at once (or, blocked on a hung peer, is released); one in the vote sees the loss there.
 Either way the step's ``with`` block ends without applying anything, the survivors re-form the process group
 without it (or with its replacement, healed from their memory, when the controller found a free worker) and
-run the same step again. A job that went on smaller takes a replacement in at a step boundary once a worker is
+run the same step again. A collective blocked on a silent peer inside the block (the user's own too) is released
+by the recovery. A job that went on smaller takes a replacement in at a step boundary once a worker is
 free. A failure that is no lost peer (the code raised) is raised as ever.
 
 Given a ``StreamingLoader``, the steps take their batches from it and every sample of an epoch is used once by
@@ -36,9 +37,8 @@ Plain FSDP2: ``live_steps(total, build=build)``: each rank's shards are kept in 
 step and resharded onto the group left after a loss (:mod:`dask_ddp.rank.live_memory`).
 
 What this part does not do yet (issue 42): an HSDP job going on with a replica group fewer (no spare: it falls
-back to a restart), the loss of rank 0's worker or host
-(the store's keeper goes with it: a restart), a collective of the user's own blocked on a hung peer (only those
-of live_steps' block are released).
+back to a restart), the loss of rank 0's worker or host (the store's keeper goes with it: a restart), a
+collective blocked on a hung peer outside a step's block (not released).
 """
 
 from __future__ import annotations
@@ -106,8 +106,7 @@ class LiveStep:
 
     def __enter__(self) -> "LiveStep":
         self.began = time.perf_counter()
-        if self._live.state.whole_block:  # its collectives run all through the block: a loss releases them
-            self._live.collective += 1
+        self._live.collective += 1  # a loss heard in the block releases its collectives (the user's own too)
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:

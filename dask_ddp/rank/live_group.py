@@ -23,9 +23,10 @@ position (``torch.save`` bytes, read back with ``weights_only=True``) and the st
 sends it (DDP: one survivor; HSDP: a whole replica group) is :mod:`dask_ddp.rank.live_state`'s.
 
 **Releasing.** A peer that hangs or is cut off (a stopped process, a host off the network) sends no FIN: a
-survivor blocked in the gradients' all-reduce would wait for gloo's timeout. When the loss is heard while the
-rank is in that collective, it shuts down its own connections to its peers (every TCP connection of the
-process but the store's) 0.2 s later: the collective fails at once and the recovery goes on.
+survivor blocked in a collective (the gradients' all-reduce, FSDP2's all-gathers, one of the user's own) would
+wait for gloo's timeout. When the loss is heard while the rank is in a live step's block, it shuts down its own
+connections to its peers (every TCP connection of the process but the store's) 0.2 s later: a collective
+blocked fails at once and the recovery goes on (the group those connections served is replaced anyway).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class LiveGroup:
         self.heard = threading.Condition()
         self.state: Any = None  # what the group holds and heals (dask_ddp.rank.live_state)
         self.resume: int | None = None  # the step to run after a re-forming that rolled the state back
-        self.collective = 0  # odd while the main thread is in one of live_steps' collectives (+1 in, +1 out)
+        self.collective = 0  # odd while the main thread is in a live step's block (+1 in, +1 out): its collectives
 
     def attach(self, state: Any) -> None:
         """What the group holds and heals a replacement with: a :class:`~dask_ddp.rank.live_state.Replicated` or
@@ -88,13 +89,8 @@ class LiveGroup:
 
     def average(self) -> None:
         """Average the gradients over the group where the state's kind does it at the step (DDP: one all-reduce
-        per dtype and device); a loss heard meanwhile releases it (see the module docstring). Raises what the
-        collective raises."""
-        self.collective += 1
-        try:
-            self.state.average(len(self.members))
-        finally:
-            self.collective += 1
+        per dtype and device). Raises what the collective raises."""
+        self.state.average(len(self.members))
 
     @property
     def rank(self) -> int:

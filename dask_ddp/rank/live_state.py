@@ -36,7 +36,6 @@ class StateError(DaskDDPError):
 class Replicated:
     """A DDP rank's state: ``model`` (the plain module) and ``optimizer``, the same on every rank."""
 
-    whole_block = False  # its collectives are at the optimizer's step only (the gradients' all-reduce)
     always_sync = False  # a new group takes the state from the members only when a replacement joined
 
     def applied(self, index: int, members: list[int], me: int) -> None:
@@ -83,8 +82,6 @@ class Sharded(Replicated):
     """An HSDP rank's state: the model and optimizer ``build(mesh)`` returns, sharded by FSDP2 over ``shards``
     ranks; rebuilt on every new group (see the module docstring). ``device``: the rank's device (its type
     names the mesh's)."""
-
-    whole_block = True  # FSDP2's collectives run all through the forward and backward
 
     def __init__(self, build: Callable, shards: int, world_size: int, device: Any, loader: Any = None) -> None:
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or world_size % shards:
