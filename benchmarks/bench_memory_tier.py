@@ -14,7 +14,8 @@ same steps, four ways, each ``--repeats`` times in turn (ABCD ABCD ...: the mach
 3. ``plain FSDP2``: the same model and steps without ``live_steps`` (no vote, no snapshot).
 4. ``DCP async_save every step``: the plain loop saving its state every step with torch's
    ``torch.distributed.checkpoint.async_save`` to ``/dev/shm`` (the peer's fastest path to a copy of every step
-   off the rank; the next save waits for the previous one, as torch's docs ask).
+   off the rank; on a gloo group of its own, as torch's docs ask: on the training group its background
+   collectives cross the step's and gloo aborts; the next save waits for the previous one).
 
 Each rank times its steps (``perf_counter`` around each step, from step 5 on); the figure is the median over
 ranks and steps of each way, pooled over the repeats. The overhead of a way is its median step over the plain
@@ -73,11 +74,12 @@ def train(way: str, steps: int, hidden: int, layers: int, folder: str):
             times.append(time.perf_counter() - began)
         model = step.model
     else:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, opt = build(dask_ddp.device_mesh())
-        pending = None
+        pending, side = None, dist.new_group(backend="gloo")  # async_save's collectives: a group of their own
         for i in range(steps):
             began = time.perf_counter()
             loss = model(batch(i, ctx.rank)).pow(2).mean()
@@ -88,7 +90,8 @@ def train(way: str, steps: int, hidden: int, layers: int, folder: str):
                 if pending is not None:
                     pending.result()
                 msd, osd = get_state_dict(model, opt)
-                pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(folder, f"s{i}"))
+                pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(folder, f"s{i}"),
+                                         process_group=side)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - began)

@@ -46,8 +46,8 @@ class InMemory(Sharded):
                  stride: int = 1) -> None:
         super().__init__(build, world_size, world_size, device, loader)
         self.budget, self.stride = budget, max(1, stride)
-        self.mine: dict[int, bytes] = {}  # step -> this rank's snapshot
-        self.held: dict[int, bytes] = {}  # step -> the predecessor's snapshot
+        self.mine: dict[int, Any] = {}  # step -> this rank's snapshot (a flat uint8 tensor: see _pack)
+        self.held: dict[int, Any] = {}  # step -> the predecessor's snapshot
         self.held_from: int | None = None  # whose (a rank number)
         self.layout: list[int] = []  # the members of the group the snapshots were taken in
         self.pending: Any = None  # (works, buffer, step, whose) of the transfer in flight
@@ -83,17 +83,15 @@ class InMemory(Sharded):
         self._settle(wait=True)
         if self.mine and max(self.mine) >= index:
             return
-        buf = io.BytesIO()
-        torch.save({"step": index, **self.local_state(), "loader": loader_position(self.loader)}, buf)
-        blob = buf.getvalue()
-        if self.budget is not None and KEEP * 2 * len(blob) > self.budget:
+        blob = _pack(index, self.model, self.optimizer, loader_position(self.loader))
+        if self.budget is not None and KEEP * 2 * blob.numel() > self.budget:
             self.off = True
             self.mine.clear()
             self.held.clear()
             logging.getLogger("dask_ddp").warning(
                 "rank %d: live recovery's memory tier is off: %d snapshots of %s bytes each would pass "
-                "live_steps(memory_budget=%s bytes); a lost rank now restarts the job", me, 2 * KEEP, f"{len(blob):,}",
-                f"{self.budget:,}")
+                "live_steps(memory_budget=%s bytes); a lost rank now restarts the job", me, 2 * KEEP,
+                f"{blob.numel():,}", f"{self.budget:,}")
             return
         self.mine[index] = blob
         _trim(self.mine)
@@ -102,13 +100,12 @@ class InMemory(Sharded):
             return
         n, pos = len(members), members.index(me)
         buddy, pred = (pos + self.stride) % n, (pos - self.stride) % n
-        sizes = [torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+        sizes = [torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
         for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, sizes[0], group_peer=buddy, group=self.pg),
                                          dist.P2POp(dist.irecv, sizes[1], group_peer=pred, group=self.pg)]):
             w.wait()
-        out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         into = torch.empty(int(sizes[1]), dtype=torch.uint8)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, group_peer=buddy, group=self.pg),
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, blob, group_peer=buddy, group=self.pg),
                                         dist.P2POp(dist.irecv, into, group_peer=pred, group=self.pg)])
         self.pending = (works, into, index, members[pred])
 
@@ -138,7 +135,7 @@ class InMemory(Sharded):
             return
         if self.held_from != whose:
             self.held.clear()
-        self.held_from, self.held[index] = whose, into.numpy().tobytes()
+        self.held_from, self.held[index] = whose, into
         _trim(self.held)
 
     def sync(self, index: int | None, members: list[int], joiners: list[int], me: int, backend: str,
@@ -174,10 +171,8 @@ class InMemory(Sharded):
         return step + 1
 
     @staticmethod
-    def _load(blob: bytes) -> dict:
-        import torch
-
-        return torch.load(io.BytesIO(blob), weights_only=True)
+    def _load(blob: Any) -> dict:
+        return _unpack(blob)
 
     def _reshard(self, old: list[int], here: int, n: int, holder: dict, mine: dict) -> Any:
         """Every tensor of the state, former shard by former shard, broadcast by its holder over the new group;
@@ -224,6 +219,71 @@ class InMemory(Sharded):
                              if isinstance(v, str) else v for k, v in st.items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
         return sd["loader"]
+
+
+def _pack(index: int, model: Any, optimizer: Any, loader: Any) -> Any:
+    """This rank's snapshot as one flat uint8 tensor: an 8-byte length, a small ``torch.save`` header (the step,
+    the loader's position, the optimizer's plain values, where each tensor lies) and the tensors' bytes (the
+    parameters' local shards, the buffers, the optimizer's state as local tensors), one copy of each."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    tensors: list = []
+
+    def place(t: Any) -> tuple:
+        t = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        tensors.append(t)
+        return ("t", len(tensors) - 1, tuple(t.shape), str(t.dtype))
+
+    sd = optimizer.state_dict()
+    head = {"step": index, "loader": loader, "param_groups": sd["param_groups"],
+            "params": [place(p) for p in model.parameters()], "buffers": [place(b) for b in model.buffers()],
+            "state": {i: {k: place(v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in st.items()}
+                      for i, st in sd["state"].items()}}
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += _align(t.numel() * t.element_size())
+    head["offsets"] = offsets
+    buf = io.BytesIO()
+    torch.save(head, buf)
+    meta = buf.getvalue()
+    start = _align(8 + len(meta))
+    flat = torch.empty(start + at, dtype=torch.uint8)
+    flat[:8].view(torch.int64)[0] = len(meta)
+    flat[8:8 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            flat[start + off:start + off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return flat
+
+
+def _unpack(flat: Any) -> dict:
+    """A snapshot made by :func:`_pack`: its tensors are views of ``flat`` (read with ``weights_only=True``)."""
+    import torch
+
+    n = int(flat[:8].view(torch.int64)[0])
+    head = torch.load(io.BytesIO(flat[8:8 + n].numpy().tobytes()), weights_only=True)
+    start = _align(8 + n)
+
+    def tensor(ref: Any) -> Any:
+        if not (isinstance(ref, tuple) and len(ref) == 4 and ref[0] == "t"):
+            return ref
+        _, i, shape, dtype = ref
+        kind = getattr(torch, dtype.split(".")[-1])
+        size = math.prod(shape) * torch.empty((), dtype=kind).element_size()
+        at = start + head["offsets"][i]
+        return flat[at:at + size].view(kind).reshape(shape)
+
+    return {"step": head["step"], "loader": head["loader"], "params": [tensor(r) for r in head["params"]],
+            "buffers": [tensor(r) for r in head["buffers"]],
+            "optimizer": {"param_groups": head["param_groups"],
+                          "state": {i: {k: tensor(v) for k, v in st.items()} for i, st in head["state"].items()}}}
+
+
+def _align(n: int) -> int:
+    return (n + 63) // 64 * 64
 
 
 def _rows(total: int, n: int, k: int) -> tuple[int, int]:
