@@ -82,8 +82,9 @@ class Seen:
 
 
 def _steady(items, rank, skip=2):
-    """The items of ``rank`` with steps, past the first ``skip`` (start-up)."""
-    mine = [it for it in items if it["rank"] == rank and it["steps"]]
+    """The items of ``rank`` with steps, past the first ``skip`` (start-up), without the final one (sent as the
+    rank ends: a part of a window, whose steps' input waits may have fallen in the window before)."""
+    mine = [it for it in items if it["rank"] == rank and it["steps"] and not it.get("final")]
     return mine[skip:]
 
 

@@ -104,7 +104,11 @@ class LiveGroup:
             self.replacing.update((int(r), int(n)) for r, n in replaced)
             self.epoch += 1
             self.heard.notify_all()
-        if self.collective % 2:  # maybe blocked on a peer that never answers (hung, cut off): release it soon
+        # in a step's block and a member of this group lost: maybe blocked on a peer that never answers (hung, cut
+        # off): release it soon. Not for news of a process the group already went on without (a replacement
+        # started for it, to be taken in at a step boundary): shutting the connections then fails a step for no
+        # loss, and the ranks wait in vain to hear one
+        if self.collective % 2 and self.lost_members():
             timer = threading.Timer(RELEASE_AFTER, self._release, (self.collective,))
             timer.daemon = True
             timer.start()
