@@ -107,6 +107,8 @@ class LiveStep:
     def __enter__(self) -> "LiveStep":
         self.began = time.perf_counter()
         self._live.collective += 1  # a loss heard in the block releases its collectives (the user's own too)
+        if self._live.lost_members():  # heard before the block: its first collective may wait on a silent peer
+            self._live.release_soon()
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:

@@ -109,9 +109,14 @@ class LiveGroup:
         # started for it, to be taken in at a step boundary): shutting the connections then fails a step for no
         # loss, and the ranks wait in vain to hear one
         if self.collective % 2 and self.lost_members():
-            timer = threading.Timer(RELEASE_AFTER, self._release, (self.collective,))
-            timer.daemon = True
-            timer.start()
+            self.release_soon()
+
+    def release_soon(self) -> None:
+        """Release the main thread's collectives ``RELEASE_AFTER`` s from now if it is still in the same step's
+        block then (see :meth:`_release`)."""
+        timer = threading.Timer(RELEASE_AFTER, self._release, (self.collective,))
+        timer.daemon = True
+        timer.start()
 
     def _release(self, seen: int) -> None:
         """Still in the collective the loss found the main thread in: shut down this process's connections to
