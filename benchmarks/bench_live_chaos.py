@@ -129,26 +129,17 @@ def train(mode="live", ckpt_every=10, step_s=0.03, log_dir="", ckpt_dir="", laun
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = int(state["step"])
-    log("resume", step=start)
-    step = start
-    while True:
-        log("begin", step=step)
-        x, y = batch(step, rank)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        time.sleep(step_s)
-        log("commit", step=step)
-        step += 1
-        if step % ckpt_every == 0:
-            state = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
-            if launcher == "dask-ddp":
-                dask_ddp.save_checkpoint(state, step=step)
-            elif rank == 0:
-                tmp = os.path.join(ckpt_dir, f".step-{step:09d}.tmp")
-                torch.save(state, tmp)
-                os.replace(tmp, os.path.join(ckpt_dir, f"step-{step:09d}.pt"))
+
+    def save(step):
+        state = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
+        if launcher == "dask-ddp":
+            dask_ddp.save_checkpoint(state, step=step)
+        elif rank == 0:
+            tmp = os.path.join(ckpt_dir, f".step-{step:09d}.tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(ckpt_dir, f"step-{step:09d}.pt"))
+
+    restart_steps(model, opt, start, rank, step_s, ckpt_every, log, batch, save)
 
 
 def train_hsdp(mode, ckpt_every, step_s, ckpt_dir, launcher, hidden, log, batch, rank):
@@ -203,12 +194,34 @@ def train_hsdp(mode, ckpt_every, step_s, ckpt_dir, launcher, hidden, log, batch,
             dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, names[-1]))
             set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             start = int(names[-1].split("-")[1])
+
+    def save(step):
+        if launcher == "dask-ddp":
+            dask_ddp.save_sharded({"model": net, "optim": opt, "step": step}, step)
+        else:
+            msd, osd = get_state_dict(net, opt)
+            tmp = os.path.join(ckpt_dir, f".tmp-{step:09d}")
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+            dist.barrier()
+            if rank == 0:
+                os.replace(tmp, os.path.join(ckpt_dir, f"step-{step:09d}"))
+
+    restart_steps(net, opt, start, rank, step_s, ckpt_every, log, batch, save)
+
+
+def restart_steps(model, opt, start, rank, step_s, ckpt_every, log, batch, save):
+    """The restart ways' loop (DDP and HSDP alike): steps from ``start`` until stopped, ``save(step)`` every
+    ``ckpt_every`` steps."""
+    import time
+
+    from torch import nn
+
     log("resume", step=start)
     step = start
     while True:
         log("begin", step=step)
         x, y = batch(step, rank)
-        loss = nn.functional.mse_loss(net(x), y)
+        loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -216,15 +229,7 @@ def train_hsdp(mode, ckpt_every, step_s, ckpt_dir, launcher, hidden, log, batch,
         log("commit", step=step)
         step += 1
         if step % ckpt_every == 0:
-            if launcher == "dask-ddp":
-                dask_ddp.save_sharded({"model": net, "optim": opt, "step": step}, step)
-            else:
-                msd, osd = get_state_dict(net, opt)
-                tmp = os.path.join(ckpt_dir, f".tmp-{step:09d}")
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-                dist.barrier()
-                if rank == 0:
-                    os.replace(tmp, os.path.join(ckpt_dir, f"step-{step:09d}"))
+            save(step)
 
 
 def _events(log_dir: Path) -> list[dict]:
@@ -258,6 +263,7 @@ def _chaos(way: str, duration: float, every: float, args, work: Path) -> dict:
         script = work / "chaos_train.py"
         script.write_text("import torch.distributed as dist\n" + textwrap.dedent(inspect.getsource(train)) +
                           textwrap.dedent(inspect.getsource(train_hsdp)) +
+                          textwrap.dedent(inspect.getsource(restart_steps)) +
                           f"\ndist.init_process_group('gloo')\ntrain(**{kw!r})\n")
         env = {**BASE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

@@ -43,6 +43,32 @@ def worker_pid(ctx) -> int:
                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
 
 
+def stop_host(ctx, record: str) -> None:
+    """Inside a rank: stop its Dask worker and itself (SIGSTOP: a host cut off, no FIN ever comes), their pids and
+    the worker's address written to ``record`` first for :func:`stopped_address` and :func:`kill_recorded`."""
+    worker, me = worker_pid(ctx), os.getpid()
+    with open(record, "w") as f:
+        f.write(f"{worker} {me} {ctx.worker}")
+    os.kill(worker, signal.SIGSTOP)
+    os.kill(me, signal.SIGSTOP)
+
+
+def stopped_address(record: str) -> str | None:
+    """The address of the Dask worker :func:`stop_host` stopped, None if it did not."""
+    return open(record).read().split()[2] if os.path.exists(record) else None
+
+
+def kill_recorded(record: str) -> bool:
+    """In the test's ``finally``: SIGKILL the processes :func:`stop_host` stopped, if it did (they never go on);
+    True if it had."""
+    if not os.path.exists(record):
+        return False
+    for pid in map(int, open(record).read().split()[:2]):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return True
+
+
 def run(client, fn, *args, **kwargs):
     """``dispatch.run`` without the progress bar (tests read job.metrics instead)."""
     kwargs.setdefault("progress", False)

@@ -5,7 +5,6 @@ Dask worker's); the survivors keep their processes and re-form their group witho
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ import time
 import dask
 import pytest
 import torch
-from _cluster import local_client, run, wait_until
+from _cluster import kill_recorded, local_client, run, stop_host, wait_until, worker_pid
 
 import dask_ddp
 from dask_ddp.wire.errors import PlanError
@@ -40,25 +39,13 @@ def train_live(steps: int, kill_rank, kill_at: int, when: str, once: str | None 
                 mine = not os.path.exists(f"{once}.{ctx.rank}")
                 open(f"{once}.{ctx.rank}", "w").close()
                 open(once, "w").close()
-            if mine and when == "worker":  # the Dask worker: the process listening on its address (a rank's
-                import psutil  # parent is its zygote)
-
-                port = int(ctx.worker.rsplit(":", 1)[1])
-                os.kill(next(c.pid for c in psutil.net_connections(kind="tcp")
-                             if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid), signal.SIGKILL)
+            if mine and when == "worker":  # the Dask worker
+                os.kill(worker_pid(ctx), signal.SIGKILL)
                 time.sleep(30)  # its rank goes with it (the supervisor's pipe closes)
             if mine and when == "before":
                 os.kill(pid, signal.SIGKILL)
             if mine and when == "hang":  # a host cut off: the worker and the rank stop, no FIN ever comes
-                import psutil
-
-                port = int(ctx.worker.rsplit(":", 1)[1])
-                worker = next(c.pid for c in psutil.net_connections(kind="tcp")
-                              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
-                with open(once + ".pids", "w") as f:
-                    f.write(f"{worker} {pid}")
-                os.kill(worker, signal.SIGSTOP)
-                os.kill(pid, signal.SIGSTOP)
+                stop_host(ctx, once + ".pids")
             g = torch.Generator().manual_seed(1000 * step.index + step.rank)
             x = torch.randn(16, 8, generator=g)
             loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
@@ -168,10 +155,7 @@ def test_a_hung_peer_is_released_by_the_recovery_not_by_gloos_timeout(tmp_path, 
                       stall_timeout=60)
             out = job.result(timeout=120)
         finally:
-            if os.path.exists(once + ".pids"):
-                for pid in map(int, open(once + ".pids").read().split()):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            kill_recorded(once + ".pids")
         history = [h[-1] for h in job.history]
         print(history)
         assert any("was lost: live recovery" in h for h in history), history

@@ -49,7 +49,6 @@ class InMemory(Sharded):
         self.mine: dict[int, Any] = {}  # step -> this rank's snapshot (a flat uint8 tensor: see _pack)
         self.held: dict[int, Any] = {}  # step -> the predecessor's snapshot
         self.held_from: int | None = None  # whose (a rank number)
-        self.layout: list[int] = []  # the members of the group the snapshots were taken in
         self.pending: Any = None  # (works, buffer, step, whose) of the transfer in flight
         self.pg: Any = None
         self.off = False
@@ -63,15 +62,11 @@ class InMemory(Sharded):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._settle(wait=False)
-        first = self.model is None and not self.layout
         self.model = self.optimizer = None
         self.shards = len(members)
         self.mesh = init_device_mesh(self.device_type, (len(members),), mesh_dim_names=("shard",))
         self.model, self.optimizer = self.rebuild(self.mesh)
         self.pg = dist.new_group(backend="gloo") if len(members) > 1 else None
-        if first:
-            self.layout = list(members)
 
     def applied(self, index: int, members: list[int], me: int) -> None:
         """Step ``index`` was applied: take this rank's snapshot and send it to its buddy (in the background)."""
@@ -81,8 +76,6 @@ class InMemory(Sharded):
         if self.off:
             return
         self._settle(wait=True)
-        if self.mine and max(self.mine) >= index:
-            return
         blob = _pack(index, self.model, self.optimizer, loader_position(self.loader))
         if self.budget is not None and KEEP * 2 * blob.numel() > self.budget:
             self.off = True
@@ -95,7 +88,6 @@ class InMemory(Sharded):
             return
         self.mine[index] = blob
         _trim(self.mine)
-        self.layout = list(members)
         if self.pg is None:
             return
         n, pos = len(members), members.index(me)
@@ -144,8 +136,7 @@ class InMemory(Sharded):
         and put the loader there; returns the step to run next. Raises StateError (no such step)."""
         import torch.distributed as dist
 
-        self._settle(wait=False)
-        old = list(before or self.layout)
+        old = list(before or [])  # the members the snapshots were taken in (LiveGroup passes them)
         if self.off or not old:
             raise StateError("live recovery's memory tier holds no snapshot (off, or none taken yet): the plain "
                              "FSDP2 state cannot come back from memory")
@@ -162,17 +153,13 @@ class InMemory(Sharded):
                              "buddies' copies, or none taken yet)")
         step, here = max(common), members.index(me)
         holder = {m: next(i for i, got in enumerate(everyone) if step in got.get(m, ())) for m in old}
-        mine = {m: self._load(self.mine[step] if m == me and m in own else self.held[step])
+        mine = {m: _unpack(self.mine[step] if m == me and m in own else self.held[step])
                 for m in old if holder[m] == here}
         loader = self._reshard(old, here, len(members), holder, mine)
         put_loader(self.loader, loader)
         self.mine, self.held, self.held_from = {}, {}, None  # the former layout's: of no use in this one
         self.applied(step, members, me)  # the new layout's first snapshot, at once
         return step + 1
-
-    @staticmethod
-    def _load(blob: Any) -> dict:
-        return _unpack(blob)
 
     def _reshard(self, old: list[int], here: int, n: int, holder: dict, mine: dict) -> Any:
         """Every tensor of the state, former shard by former shard, broadcast by its holder over the new group;
