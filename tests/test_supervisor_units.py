@@ -156,7 +156,42 @@ def test_lines_holds_at_most_its_limit():
     import io
 
     got = list(lines(io.BytesIO(b"a" * 10 + b"\n" + b"b" * 25 + b"\nc"), limit=8))
-    assert got == [(b"a" * 8, 2), (b"b" * 8, 17), (b"c", 0)]
+    assert got == [(b"a" * 8, 2, False), (b"b" * 8, 17, False), (b"c", 0, False)]
+
+
+class _Chunks:
+    """A stream that returns its chunks one read at a time, as a pipe does when the writer writes in pieces."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+
+    def read1(self, n):
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+def test_lines_ends_a_progress_bars_redraw_at_a_lone_carriage_return_and_keeps_crlf_one_line():
+    got = list(lines(_Chunks([b"\r 0%|", b"\r50%|#", b"\r100%|##\n", b"dos\r", b"\nnext\n"])))
+    assert got == [(b"", 0, True), (b" 0%|", 0, True), (b"50%|#", 0, True), (b"100%|##", 0, False),
+                   (b"dos", 0, False), (b"next", 0, False)]
+
+
+def test_the_pump_relays_a_progress_bar_while_it_moves_at_most_two_redraws_a_second():
+    logged: list = []
+    r, w = os.pipe()
+    pump = OutputPump({"stderr": os.fdopen(r, "rb")}, lambda name, line: logged.append((time.monotonic(), line)),
+                      lambda wait: False, rank=0).start()
+    started = time.monotonic()
+    with os.fdopen(w, "wb", buffering=0) as out:
+        for i in range(30):  # a bar redrawn every 0.1 s for 3 s
+            out.write(f"\r{i}/30".encode())
+            time.sleep(0.1)
+        out.write(b"\rdone\n")
+    pump.join(10)
+    lines_seen = [line for _, line in logged]
+    assert lines_seen[-1] == "done"
+    early = [line for t, line in logged if t - started < 2.0 and line]
+    assert early, f"no redraw relayed before the bar ended: {lines_seen}"
+    assert 3 <= len(lines_seen) <= 8, lines_seen  # 30 redraws in 3 s, relayed at most one a 0.5 s (+ the last)
 
 
 # ---- the supervisor's watch over a rank that sends its result and exits at once --------------------------------

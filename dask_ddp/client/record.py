@@ -29,10 +29,11 @@ ENDED = ("FINISHED", "FAILED", "CANCELLED")  # a job in one of these states has 
 
 
 def format_log(item: dict) -> str:
-    """``[rank N] line``; after a restart ``[rank N, attempt K] line`` (K counts from 1, as in ``job.history``)."""
+    """``[rank N] line``; after a restart ``[rank N, attempt K] line`` (K counts from 1, as in ``job.history``); each
+    line of a multi-line record (a traceback) so prefixed."""
     attempt = item.get("attempt", 0)
     where = f"rank {item['rank']}, attempt {attempt + 1}" if attempt else f"rank {item['rank']}"
-    return f"[{where}] {item['line']}"
+    return "\n".join(f"[{where}] {line}" for line in str(item["line"]).split("\n"))  # every line of a record
 
 
 class JobRecord:

@@ -293,6 +293,24 @@ def _in_rank() -> bool:
     return True
 
 
+def _printed_on_the_way(record: logging.LogRecord) -> bool:
+    """Whether a handler between the record's logger and the root already writes it to the rank's stdout or stderr
+    (a library's own console handler: Lightning's, huggingface_hub's, torchmetrics'), which reach the client as
+    output lines: the record is then shown once, as under torchrun, not twice."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    root = logging.getLogger()
+    while logger is not None and logger is not root:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and record.levelno >= handler.level:
+                try:
+                    if handler.stream.fileno() in (1, 2):
+                        return True
+                except (AttributeError, OSError, ValueError):  # a stream of its own (a file, a StringIO)
+                    continue
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
 class _LogHandler(logging.Handler):
     """Forwards a rank's ``logging`` records as log events (kept with level and logger name)."""
 
@@ -303,6 +321,8 @@ class _LogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            if _printed_on_the_way(record):
+                return
             self.buf.add({"kind": "log", "rank": self.buf.rank, "attempt": self.buf.attempt, "time": record.created,
                           "stream": "logging", "level": safe_text(str(record.levelname)),
                           "line": clip_line(self.format(record))})

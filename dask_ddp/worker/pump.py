@@ -1,4 +1,5 @@
-"""A rank's stdout and stderr, line by line, to its relay: two threads per rank.
+"""A rank's stdout and stderr, line by line, to its relay: two threads per rank; a progress bar's redraws (lines
+ending with a lone ``\\r``) relayed as lines of their own, at most two a second.
 
 Runs in: the Dask worker (the pump threads of one rank supervisor).
 
@@ -28,21 +29,44 @@ logger = logging.getLogger("dask_ddp")
 _STORE_GONE = ("TCPStore.cpp", "Connection was likely closed")
 _STACK_LINES = ("Exception raised from ", "frame #", "<omitting python frames>")
 PUMP_WAIT = 1.0  # seconds a finished rank's output relays may take to reach the end of its pipes
+REDRAW_EVERY = 0.5  # seconds between two relayed redraws of a progress bar (a line that ends with a lone \r)
 MAX_READ = 64 * 1024  # bytes of one output line kept; the rest of a longer line is read in pieces and dropped
 
 
 def lines(stream, limit: int = MAX_READ):
-    """``(first bytes of a line, bytes dropped from it)`` for each line of ``stream``, holding at most ``limit``
-    bytes at a time: a rank that prints 300 MiB without a newline costs its worker 64 KiB, not the line."""
-    while raw := stream.readline(limit):
-        cut = 0
-        if not raw.endswith(b"\n"):
-            while more := stream.readline(limit):
-                if more.endswith(b"\n"):
-                    cut += len(more) - 1
-                    break
-                cut += len(more)
-        yield raw, cut
+    """``(first bytes of a line, bytes dropped from it, redraw)`` for each line of ``stream``, holding at most
+    ``limit`` bytes of a line: a rank that prints 300 MiB without a newline costs its worker 64 KiB, not the line.
+
+    A line ends at ``\\n`` (or ``\\r\\n``), or at a lone ``\\r``: a progress bar's redraw (tqdm, rich), ``redraw``
+    True, so that the bar is seen while it moves, not as one line when it ends. Line ends are not in the bytes.
+    """
+    held, kept, cut, dropping = b"", b"", 0, False
+    while chunk := stream.read1(limit):
+        held += chunk
+        while True:
+            ends = [i for i in (held.find(b"\n"), held.find(b"\r")) if i >= 0]
+            if not ends:
+                break
+            i = min(ends)
+            if held[i:i + 1] == b"\r" and i + 1 == len(held):
+                break  # a \r\n cut between two reads: wait for the next byte
+            crlf = held[i:i + 2] == b"\r\n"
+            line, redraw = held[:i], held[i:i + 1] == b"\r" and not crlf
+            held = held[i + (2 if crlf else 1):]
+            if dropping:  # the end of a line cut at limit: its kept start goes
+                cut, line, dropping = cut + len(line), kept, False
+            elif len(line) > limit:
+                cut, line = len(line) - limit, line[:limit]
+            yield line, cut, redraw
+            cut = 0
+        if not dropping and len(held) > limit:  # no end yet: keep the first limit bytes, count the rest
+            kept, cut, held, dropping = held[:limit], len(held) - limit, b"", True
+        elif dropping:
+            cut, held = cut + len(held), b""
+    if dropping:
+        yield kept, cut, False
+    elif held:
+        yield held, cut, False
 
 
 class OutputPump:
@@ -89,9 +113,15 @@ class OutputPump:
 
     def _pump(self, stream, name: str) -> None:
         held: list[str] = []  # a store warning and its frames, until the block ends
+        shown = float("-inf")  # when a progress bar's redraw was last relayed
         with stream:  # closed here, at EOF: when the rank and whatever inherited the pipe have ended
-            for raw, cut in lines(stream):
-                line = raw.decode(errors="replace").rstrip("\n")
+            for raw, cut, redraw in lines(stream):
+                if redraw:  # a progress bar's: at most one a REDRAW_EVERY seconds, the one drawn last so far
+                    now = time.monotonic()
+                    if now - shown < REDRAW_EVERY:
+                        continue
+                    shown = now
+                line = raw.decode(errors="replace")
                 if cut:
                     line += f" ... [{cut} more bytes of this line dropped]"
                 if held and (line.startswith(_STACK_LINES) or not line.strip()):
