@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from dask_ddp.checkpoint.sharded import background as sharded_async
-from dask_ddp.rank import context, live, preemption, reporting, telemetry
+from dask_ddp.rank import context, live, preemption, reporting, telemetry, trainers
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
 from dask_ddp.rank.warm import warm_cuda, warm_imports
@@ -192,6 +192,7 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
         pickling.expose_main(fn, *args, *kwargs.values())  # the notebook's functions, as __main__.<name>
         joined.append(rendezvous(chan.send, task, master_port, sampler, ending=chan.ending))
         context.set_context(context_of(task, joined[0]))
+        trainers.prepare(context.get_context())  # Lightning's, Transformers' and Accelerate's defaults: distributed
         value = fn(*args, **kwargs)
         sharded_async.wait_previous()  # an async sharded save still uploading commits (or fails) before the outcome
         return value
