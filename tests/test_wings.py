@@ -20,7 +20,8 @@ import pytest
 from test_imports import PACKAGE, Edge, import_graph
 
 ROOT = PACKAGE.parent
-WINGS = ("client", "sweeps", "worker", "rank", "wire", "storage", "checkpoint", "data", "observe", "dashboard")
+WINGS = ("client", "sweeps", "worker", "rank", "wire", "storage", "checkpoint", "data", "observe", "dashboard",
+         "integrations")
 FACADE = ("dask_ddp", "dask_ddp.dispatch")  # the public paths: they may import any wing
 #: wing -> the wings it may import (its own always; ``config`` is every process's settings)
 MAY_IMPORT = {
@@ -30,6 +31,7 @@ MAY_IMPORT = {
     "checkpoint": {"storage", "wire", "config"},
     "data": {"checkpoint", "storage", "wire", "config"},
     "rank": {"data", "checkpoint", "storage", "wire", "config"},
+    "integrations": {"rank", "data", "checkpoint", "storage", "wire", "config"},  # trainers' callbacks, in the rank
     "observe": {"storage", "wire", "config"},
     "dashboard": {"wire", "config"},
     "client": {"worker", "observe", "dashboard", "data", "checkpoint", "storage", "wire", "config"},
@@ -136,6 +138,8 @@ PUBLIC = {
     "dask_ddp.compat.results": ["DaskResultsHandler"],
     "dask_ddp.cli": ["main", "build_parser"],
     "dask_ddp.dashboard": ["DDPDashboard", "install"],
+    "dask_ddp.integrations.lightning": ["DaskDDPCallback"],
+    "dask_ddp.integrations.transformers": ["DaskDDPCallback"],
 }
 
 

@@ -23,7 +23,7 @@ COMMANDS = ([], ["run"], ["demo"])
 # The user guide's pages, in the order of the site's navigation. hpc.md (HPC clusters, SLURM) sits in docs/ itself
 # and is listed when it is there.
 GUIDE = ("guide/launching", "guide/metrics", "guide/s3-data", "guide/streaming", "guide/checkpoints", "guide/sharded",
-         "guide/preemption", "guide/many-hosts", "guide/kubernetes", "hpc", "guide/sweeps", "guide/cli", "guide/reliability", "guide/from-torchrun",
+         "guide/preemption", "guide/many-hosts", "guide/kubernetes", "hpc", "guide/sweeps", "guide/trainers", "guide/cli", "guide/reliability", "guide/from-torchrun",
          "guide/from-dask-pytorch-ddp")  # from docs/; guide/index.md includes the list
 FIGURES = ("benchmarks/scale.png",)
 

@@ -1,0 +1,135 @@
+"""Lightning in a dask-ddp job, one line: ``L.Trainer(..., callbacks=[DaskDDPCallback()])``.
+
+Runs in: the rank process (the callback's hooks, inside ``trainer.fit``). Importing this module imports Lightning
+(``lightning``, else ``pytorch_lightning``); importing dask-ddp does not.
+
+What the callback does, with ``trainer.fit(model, ...)`` unchanged:
+
+- **metrics**: at each of Lightning's logging steps (``log_every_n_steps``) every rank reports
+  ``trainer.logged_metrics`` (numbers and one-element tensors) to ``report()``, at ``step=trainer.global_step``:
+  rows in ``job.metrics``, the live view and the sinks;
+- **checkpoints**: at the end of every ``every_n_epochs`` epoch (and every ``every_n_train_steps`` steps, if
+  set), the trainer's own checkpoint (``trainer.save_checkpoint``) goes to ``lightning/step-<N>.ckpt`` in the job's
+  checkpoint folder (``run(..., checkpoint_dir=...)``), written under a temporary name and renamed once whole; the
+  newest ``keep`` stay;
+- **resume**: after a restart (the same job's next attempt, or an elastic resize) ``fit()`` resumes from the newest
+  of them. The callback is an ``OnExceptionCheckpoint``: Lightning's ``fit(ckpt_path=None)`` then takes its "last"
+  checkpoint, which this callback names (``ckpt_path``);
+- **preemption**: at the step every rank agreed to stop at (see :func:`dask_ddp.on_preemption`), the trainer saves
+  its checkpoint there, and the job restarts from it: no step lost. Every rank passes each step's point
+  (Lightning's ``on_train_batch_end``), as the protocol needs.
+
+A job started without ``checkpoint_dir`` gets the metrics and no checkpoints (a warning says so once).
+Outside a dask-ddp rank the callback does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import warnings
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+except ImportError:  # the older package name
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+    from pytorch_lightning.callbacks import OnExceptionCheckpoint  # type: ignore[no-redef,assignment]
+
+from dask_ddp.checkpoint.folder import check_int
+from dask_ddp.integrations.steps import StepPoint, job_subfolder, newest
+
+__all__ = ["DaskDDPCallback"]
+
+log = logging.getLogger("dask_ddp")
+PREFIX, SUFFIX = "step-", ".ckpt"
+
+
+class DaskDDPCallback(OnExceptionCheckpoint):
+    """Metrics to ``report()``, checkpoints in the job's folder, resume after a restart, the save at a preemption.
+
+    Parameters
+    ----------
+    every_n_epochs
+        Save at the end of every this many epochs (0: never at an epoch's end).
+    every_n_train_steps
+        Also save every this many optimizer steps (None: not by steps).
+    keep
+        How many checkpoints stay (the newest).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A setting that is not an int, or below its least (1 for ``keep``, 0 for the others).
+    """
+
+    def __init__(self, *, every_n_epochs: int = 1, every_n_train_steps: int | None = None, keep: int = 2) -> None:
+        check_int("every_n_epochs", every_n_epochs, 0)
+        if every_n_train_steps is not None:
+            check_int("every_n_train_steps", every_n_train_steps, 1)
+        check_int("keep", keep, 1)
+        self.folder = job_subfolder("lightning")
+        super().__init__(dirpath=self.folder[1] if self.folder else os.getcwd(), filename="dask-ddp-none")
+        self.every_n_epochs, self.every_n_train_steps, self.keep = every_n_epochs, every_n_train_steps, keep
+        self.point = StepPoint()
+        self._warned = False
+        # Lightning's words for fit(ckpt_path=None) with an OnExceptionCheckpoint ("the last model of the previous
+        # fit call will be used", "no last checkpoint available") fit its own use of it, not this resume
+        warnings.filterwarnings("ignore", message=r".*\.fit\(ckpt_path=(None|\"last\")\)")
+
+    @property
+    def ckpt_path(self) -> str:
+        """The newest checkpoint in the job's folder ("" where none: Lightning then starts afresh)."""
+        found = newest(*self.folder, PREFIX, SUFFIX) if self.folder else None
+        return found[1] if found else ""
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        logging_step = step % max(1, getattr(trainer, "log_every_n_steps", 1)) == 0  # (a property Lightning adds)
+        due = self.point.at(step, trainer.logged_metrics if logging_step else None)
+        if due is not None:
+            self._save(trainer)
+            raise due
+        if self.every_n_train_steps and step % self.every_n_train_steps == 0:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: Any) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    def on_exception(self, trainer: "pl.Trainer", *_: Any, **__: Any) -> None:
+        """Nothing: a failing rank alone must not enter the save's collectives (the others would wait there);
+        a preemption saves at its agreed step, before it raises."""
+
+    def teardown(self, trainer: "pl.Trainer", *_: Any, **__: Any) -> None:
+        """Nothing: the checkpoints stay for the next attempt."""
+
+    def _save(self, trainer: "pl.Trainer") -> None:
+        """The trainer's checkpoint at its step, whole or not at all; every rank calls it (Lightning's save is a
+        collective); rank 0 renames it into place and removes the oldest past ``keep``."""
+        if self.folder is None:
+            if not self._warned and trainer.global_rank == 0:
+                log.warning("dask-ddp: DaskDDPCallback saves no checkpoints: this job was started without "
+                            "run(..., checkpoint_dir=...), so a restart starts training again from the beginning")
+            self._warned = True
+            return
+        fs, path = self.folder
+        step = trainer.global_step
+        final = f"{path}/{PREFIX}{step}{SUFFIX}"
+        token = trainer.strategy.broadcast(uuid.uuid4().hex[:8])
+        tmp = f"{path}/.{PREFIX}{step}{SUFFIX}.{token}.tmp"
+        if trainer.global_rank == 0:
+            fs.makedirs(path, exist_ok=True)
+        trainer.save_checkpoint(tmp)  # rank 0 writes; every rank waits at its barrier
+        if trainer.global_rank == 0:
+            fs.mv(tmp, final)
+            kept = sorted((int(n[len(PREFIX):-len(SUFFIX)]), n) for n in (os.path.basename(p) for p in
+                          fs.ls(path, detail=False)) if n.startswith(PREFIX) and n.endswith(SUFFIX)
+                          and n[len(PREFIX):-len(SUFFIX)].isdigit())
+            for _, name in kept[:-self.keep]:
+                fs.rm(f"{path}/{name}")
+        trainer.strategy.barrier("dask-ddp-checkpoint")
+

@@ -1,0 +1,289 @@
+"""Lightning, Hugging Face Transformers and Accelerate, unchanged, in dask-ddp jobs: real libraries, tiny models
+built from configs, CPU and gloo, 2 worker processes.
+
+With their defaults (no ``cpu=True``, no ``devices``/``num_nodes``) each trains distributed: world size 2 in the
+trainer, different samples per rank, identical parameters at the end (dask_ddp.rank.trainers). The callbacks of
+dask_ddp.integrations report the trainer's metrics, and a rank killed mid-run resumes from the trainer's own newest
+checkpoint to the same final parameters as a run without the fault."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from _cluster import local_client, run, wait_until
+
+pytest.importorskip("transformers")
+pytest.importorskip("lightning")
+pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_client(2) as client:
+        yield client
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _killed_once(marker: str | None, rank: int, at: bool) -> None:
+    """SIGKILL this rank's process once (the first attempt's rank 1 at the point ``at``), as a crash does."""
+    if marker and at and rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- Hugging Face Trainer -------------------------------------------------------------------------------------
+def hf_train(out: str, callback: bool = False, kill: str | None = None, steps: int = 8, pause: float = 0.0):
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
+    tokens = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(1))
+    seen: list[int] = []
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(tokens)
+
+        def __getitem__(self, i):
+            seen.append(i)
+            return {"input_ids": tokens[i], "labels": tokens[i]}
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            _killed_once(kill, dist.get_rank(), state.global_step == 5)
+            time.sleep(pause)
+
+    callbacks = [Crash()]
+    if callback:
+        from dask_ddp.integrations.transformers import DaskDDPCallback
+
+        callbacks.append(DaskDDPCallback())
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=steps, logging_steps=2,
+                             save_steps=2, save_strategy="steps" if callback else "no", report_to=[], seed=0,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Data(), callbacks=callbacks)
+    trainer.train()
+    return {"world": args.world_size, "seen": sorted(set(seen)), "params": _params(model)}
+
+
+def test_transformers_trainer_with_its_defaults_trains_distributed(cluster, tmp_path):
+    out = run(cluster, hf_train, str(tmp_path / "hf")).result(timeout=300)
+    assert [o["world"] for o in out] == [2, 2]
+    assert not set(out[0]["seen"]) & set(out[1]["seen"]), "both ranks read the same samples"
+    assert torch.equal(out[0]["params"], out[1]["params"])
+
+
+def test_the_transformers_callback_reports_and_resumes_a_killed_rank_from_the_trainers_checkpoint(cluster,
+                                                                                                 tmp_path):
+    clean = run(cluster, hf_train, str(tmp_path / "clean"), True).result(timeout=300)
+    job = run(cluster, hf_train, str(tmp_path / "hf"), True, str(tmp_path / "killed"), max_restarts=1,
+              checkpoint_dir=str(tmp_path / "ckpt"))
+    out = job.result(timeout=300)
+    assert job.attempt.index == 1, job.history
+    assert os.path.isdir(tmp_path / "hf" / "checkpoint-4")
+    rows = job.metrics
+    assert {"loss", "learning_rate"} <= set(rows.columns), rows.columns
+    steps = sorted(set(rows[rows["loss"].notna()]["step"]))
+    assert steps[:2] == [2, 4] and steps[-1] == 8, steps  # every logging step, the redone ones again
+    for a, b in zip(out, clean):
+        diff = (a["params"] - b["params"]).abs().max().item()
+        print(f"largest difference from the run without the fault: {diff:.2e}")
+        assert diff == 0, diff
+
+
+# ---- Accelerate ------------------------------------------------------------------------------------------------
+def accelerate_train():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.arange(64.).view(16, 4), torch.zeros(16, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    net, opt, loader = accelerator.prepare(net, opt, loader)
+    seen = []
+    for x, y in loader:
+        seen += x[:, 0].tolist()
+        accelerator.backward(torch.nn.functional.mse_loss(net(x), y))
+        opt.step()
+        opt.zero_grad()
+    return {"world": accelerator.num_processes, "seen": seen, "params": _params(net)}
+
+
+def test_accelerate_with_its_defaults_trains_distributed(cluster):
+    out = run(cluster, accelerate_train).result(timeout=300)
+    assert [o["world"] for o in out] == [2, 2]
+    assert not set(out[0]["seen"]) & set(out[1]["seen"])
+    assert torch.equal(out[0]["params"], out[1]["params"])
+
+
+# ---- Lightning -------------------------------------------------------------------------------------------------
+def lightning_train(callback: bool = False, kill: str | None = None, epochs: int = 1, pause: float = 0.0):
+    import lightning as L
+    import torch.distributed as dist
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+            self.seen: list[float] = []
+
+        def training_step(self, batch, i):
+            x, y = batch
+            _killed_once(kill, dist.get_rank(), self.current_epoch == 2)
+            time.sleep(pause)
+            self.seen += x[:, 0].tolist()
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.001)
+
+    torch.manual_seed(0)
+    model = Model()
+    data = torch.utils.data.TensorDataset(torch.arange(64.).view(16, 4), torch.zeros(16, 1))
+    callbacks = []
+    if callback:
+        from dask_ddp.integrations.lightning import DaskDDPCallback
+
+        callbacks.append(DaskDDPCallback())
+    trainer = L.Trainer(max_epochs=epochs, log_every_n_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(callback))
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2))
+    return {"world": trainer.world_size, "seen": model.seen, "params": _params(model)}
+
+
+def test_lightning_with_its_defaults_trains_distributed(cluster):
+    job = run(cluster, lightning_train)
+    out = job.result(timeout=300)
+    assert [o["world"] for o in out] == [2, 2]
+    assert not set(out[0]["seen"]) & set(out[1]["seen"])
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    said = [line for line in job.logs if "GPU available" in line]
+    assert len(said) == 1, said  # Lightning's own console handler prints it; dask-ddp's does not again
+
+
+def test_the_lightning_callback_reports_and_resumes_a_killed_rank_from_its_checkpoint(cluster, tmp_path):
+    clean = run(cluster, lightning_train, True, None, 4, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
+    job = run(cluster, lightning_train, True, str(tmp_path / "killed"), 4, max_restarts=1,
+              checkpoint_dir=str(tmp_path / "ckpt"))
+    out = job.result(timeout=300)
+    assert job.attempt.index == 1, job.history
+    folder = tmp_path / "ckpt" / job.run_id / "lightning"
+    assert sorted(os.listdir(folder)) == ["step-12.ckpt", "step-16.ckpt"]  # 4 steps an epoch, the newest 2 kept
+    rows = job.metrics
+    assert "loss" in rows.columns and rows["step"].max() == 16
+    assert out[0]["seen"] == [x for x in clean[0]["seen"]][len(clean[0]["seen"]) // 2:]  # epochs 2 and 3 only
+    for a, b in zip(out, clean):
+        assert torch.equal(a["params"], b["params"]), (a["params"] - b["params"]).abs().max()
+
+
+def slurm_lightning():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "PL_TRAINER_"))} | lightning_train()
+
+
+def test_lightning_under_a_slurm_allocation_takes_its_ranks_from_dask_ddp():
+    """The workers carry a SLURM allocation's task variables (as under dask-jobqueue): Lightning would take its
+    ranks from them (SLURMEnvironment comes first); the ranks' environment has none of them."""
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "4", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "4"}
+    with local_client(2, env=slurm) as client:
+        out = run(client, slurm_lightning).result(timeout=300)
+    for o in out:
+        assert o["world"] == 2
+        assert o["SLURM_JOB_ID"] == "77" and "SLURM_NTASKS" not in o and "SLURM_PROCID" not in o
+        assert o["PL_TRAINER_DEVICES"] == "2" and o["PL_TRAINER_NUM_NODES"] == "1"
+    assert not set(out[0]["seen"]) & set(out[1]["seen"])
+
+
+# ---- output ----------------------------------------------------------------------------------------------------
+def redraws():
+    import sys
+    import time
+
+    for i in range(40):
+        sys.stderr.write(f"\rbar {i}/40")
+        sys.stderr.flush()
+        time.sleep(0.1)
+    sys.stderr.write("\n")
+    import logging
+
+    logging.getLogger("mine").warning("first line\nsecond line")
+
+
+def test_a_progress_bar_is_seen_while_it_moves_and_a_multi_line_record_is_prefixed_on_every_line(cluster):
+    job = run(cluster, redraws, workers=1)
+    started = time.monotonic()
+    wait_until(lambda: any("bar " in line for line in job.logs), 60, what="a redraw before the end")
+    assert job.state == "RUNNING" or time.monotonic() - started < 4
+    job.result(timeout=120)
+    bars = [line for line in job.logs if "bar " in line]
+    assert 3 <= len(bars) <= 15, bars  # 40 redraws in 4 s, at most two a second relayed
+    record = [line for line in job.logs if "first line" in line]
+    assert record == ["[rank 0] WARNING mine: first line\n[rank 0] second line"], record
+
+
+def test_a_trainer_left_undistributed_by_the_workers_environment_is_warned_of_on_rank_0():
+    """ACCELERATE_USE_CPU=false in the workers' environment (dask-ddp leaves a variable the worker sets): Accelerate
+    runs each rank alone, and rank 0 says so, with what to change."""
+    with local_client(2, env={"ACCELERATE_USE_CPU": "false"}) as client:
+        def alone():
+            import time
+
+            out = accelerate_train()
+            time.sleep(1.5)  # the watch looks once a second
+            return out
+
+        job = run(client, alone)
+        out = job.result(timeout=300)
+    assert [o["world"] for o in out] == [1, 1]
+    warned = [line for line in job.logs if "each rank trains alone" in line]
+    assert len(warned) == 1 and warned[0].startswith("[rank 0]"), job.logs
+
+
+@pytest.mark.parametrize("library", ["lightning", "transformers"])
+def test_a_retired_worker_makes_the_trainer_save_at_the_agreed_step_and_no_step_is_lost(tmp_path, library):
+    """retire_workers on rank 1's worker mid-run (3 workers, 2 ranks): every rank stops at one agreed step, the
+    trainer saves its own checkpoint there, the job restarts on the 2 workers left and resumes from it; the final
+    parameters are those of a run without the notice."""
+    with local_client(3) as client:
+        if library == "lightning":
+            fn, args = lightning_train, (True, None, 4)
+        else:
+            fn, args = hf_train, (str(tmp_path / "hf"), True, None, 16)
+        clean = run(client, fn, *args, workers=2, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
+        job = run(client, fn, *args, 0.25, workers=2, checkpoint_dir=str(tmp_path / "ckpt"))
+        wait_until(lambda: len(job.metrics) >= 6, 180, what="6 reports")
+        victim = job.plan.addresses[1]
+        client.retire_workers([victim])
+        out = job.result(timeout=300)
+    states = [h[2] for h in job.history]
+    print(job.history)
+    assert "RESTARTING" in states and states[-1] == "FINISHED", job.history
+    cause = next(h[3] for h in job.history if h[2] == "RESTARTING")
+    assert cause.startswith("preempted:") and "0 steps lost" in cause, cause
+    assert victim not in job.plan.addresses
+    saved = int(cause.split("saved step ")[1].split()[0])
+    assert 0 < saved < 16, cause
+    steps = job.metrics[job.metrics["rank"] == 0]["step"].tolist()
+    every = 1 if library == "lightning" else 2  # the logging steps: each reported once, none redone or skipped
+    assert steps == list(range(every, 17, every)), steps
+    if library == "transformers":  # the data position too: the same final parameters, bit for bit
+        for a, b in zip(out, clean):
+            assert torch.equal(a["params"], b["params"]), (a["params"] - b["params"]).abs().max()
+    # Lightning resumes mid-epoch in the right step but not at the right sample with a plain DataLoader (it warns:
+    # "your dataloader is not resumable"); with torchdata's StatefulDataLoader the rest of the epoch came in epoch
+    # 0's order here (Lightning 2.6.6, torchdata 0.11). docs/guide/trainers.md says so.
