@@ -287,3 +287,58 @@ def test_a_retired_worker_makes_the_trainer_save_at_the_agreed_step_and_no_step_
     # Lightning resumes mid-epoch in the right step but not at the right sample with a plain DataLoader (it warns:
     # "your dataloader is not resumable"); with torchdata's StatefulDataLoader the rest of the epoch came in epoch
     # 0's order here (Lightning 2.6.6, torchdata 0.11). docs/guide/trainers.md says so.
+
+
+def imported_before():
+    import sys
+    import time
+
+    before = "transformers" in sys.modules
+    started = time.perf_counter()
+    import transformers  # noqa: F401
+
+    return {"before": before, "import_s": time.perf_counter() - started}
+
+
+def test_the_warm_process_preloads_the_listed_modules_and_the_history_says_so():
+    """ddp.zygote-preload: the warm process imports transformers before any job (a job's import then costs
+    nothing); a module that does not import is named in the history, and the rest still preload."""
+    import dask
+
+    with dask.config.set({"ddp.zygote-preload": ["transformers", "no_such_module_for_dask_ddp"]}), \
+            local_client(2) as client:
+        job = run(client, imported_before)
+        out = job.result(timeout=300)
+    assert [o["before"] for o in out] == [True, True], out
+    print("import transformers in the job:", [round(o["import_s"], 4) for o in out])
+    notes = [h[3] for h in job.history if "ddp.zygote-preload" in h[3]]
+    assert len(notes) == 1, job.history
+    assert "had imported transformers" in notes[0] and "no_such_module_for_dask_ddp (ModuleNotFoundError" in notes[0]
+
+
+def test_without_preload_a_job_imports_transformers_itself(cluster):
+    out = run(cluster, imported_before).result(timeout=300)
+    assert [o["before"] for o in out] == [False, False]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("library", ["transformers", "lightning", "accelerate"])
+def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_under_torchrun(library):
+    """examples/trainers/<library>_tiny.py under ``dask-ddp run`` (2 workers) and under torchrun (2 processes),
+    given there the variables a dask-ddp rank gets (without them torchrun trains each rank alone on CPUs)."""
+    import subprocess
+    import sys
+
+    from test_cli import ROOT, run_cli
+
+    script = ROOT / "examples" / "trainers" / f"{library}_tiny.py"
+    ours = run_cli("run", "--workers", "2", script, timeout=300)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", PL_TRAINER_DEVICES="2", PL_TRAINER_NUM_NODES="1")
+    theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", str(script)], capture_output=True,
+                            text=True, timeout=300, env=env, cwd=ROOT)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    line = [ln for ln in theirs.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(line) == 1 and "world=2" in line[0], theirs.stdout
+    assert f"[rank 0] {line[0]}" in ours.stdout.splitlines(), (line, ours.stdout)

@@ -36,6 +36,13 @@ def format_log(item: dict) -> str:
     return "\n".join(f"[{where}] {line}" for line in str(item["line"]).split("\n"))  # every line of a record
 
 
+def preloaded_note(item: dict) -> str:
+    """The history's words for a rank's ``preloaded`` item (:func:`dask_ddp.wire.events.preloaded_item`)."""
+    modules, failed = str(item.get("modules") or "nothing"), str(item.get("failed") or "")
+    said = f"rank {item.get('rank')}'s warm process had imported {modules} before the job (ddp.zygote-preload)"
+    return said + (f"; did not import: {failed}" if failed else "")
+
+
 class JobRecord:
     """A job's state, history, events and outcome; thread-safe (``cond`` guards everything).
 
@@ -94,11 +101,13 @@ class JobRecord:
                 items = [it for it in items if it.get("kind") != "telemetry"]
             if any(it.get("kind") in ("dropped", "throttled") for it in items):
                 items = self._count_dropped(items)
-            if any(it.get("kind") == "forged" for it in items):  # a rank ignored forged store values: history only
+            if any(it.get("kind") in ("forged", "preloaded") for it in items):  # history only
                 for it in items:
-                    if it.get("kind") == "forged":
+                    if it.get("kind") == "forged":  # a rank ignored forged store values
                         self.note(forged_note(it))
-                items = [it for it in items if it.get("kind") != "forged"]
+                    elif it.get("kind") == "preloaded":
+                        self.note(preloaded_note(it))
+                items = [it for it in items if it.get("kind") not in ("forged", "preloaded")]
             for item in items:
                 size = item_size(item)
                 self._append(self.events, "events", item, size)

@@ -30,11 +30,12 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from dask_ddp.checkpoint.sharded import background as sharded_async
-from dask_ddp.rank import context, live, preemption, reporting, telemetry, trainers
+from dask_ddp.rank import context, live, preemption, reporting, telemetry, trainers, warm
 from dask_ddp.rank.outcome import outcome
 from dask_ddp.rank.rendezvous import Joined, finish, rendezvous
 from dask_ddp.rank.warm import warm_cuda, warm_imports
 from dask_ddp.wire import pickling
+from dask_ddp.wire.events import preloaded_item
 from dask_ddp.wire.messages import (
     Events,
     Flushed,
@@ -184,6 +185,8 @@ def run_job(chan: _Channel, task: RankTask, master_port: int | None) -> None:
                if task.telemetry_interval else None)
     flusher = chan.flusher = reporting.install(buf, lambda items: chan.send(Events(items)), task.flush_interval,
                                                sampler)
+    if spec.rank == 0 and (warm.PRELOADED or warm.PRELOAD_FAILED):  # ddp.zygote-preload, for job.history
+        chan.send(Events([preloaded_item(0, task.attempt, warm.PRELOADED, warm.PRELOAD_FAILED)]))
     joined: list[Joined] = []
 
     def call():

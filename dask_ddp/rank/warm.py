@@ -12,11 +12,14 @@ Nothing here initialises CUDA or starts a thread (the zygote forks: see its modu
 from __future__ import annotations
 
 import logging
+import os
 
-__all__ = ["warm_imports", "register_backends", "warm_cuda"]
+__all__ = ["warm_imports", "register_backends", "warm_cuda", "preload", "PRELOADED", "PRELOAD_FAILED"]
 
 logger = logging.getLogger("dask_ddp")
 WARMED = False  # this rank process started CUDA before its job (warm_cuda): read by tests
+PRELOADED: list[str] = []  # the modules of ddp.zygote-preload this process imported before its job
+PRELOAD_FAILED: dict[str, str] = {}  # module -> why its import failed
 
 
 def warm_imports() -> None:
@@ -35,6 +38,29 @@ def warm_imports() -> None:
     from dask_ddp.rank import collectives  # noqa: F401 - the telemetry sampler's, imported at each job's start
 
     register_backends()
+    preload()
+
+
+def preload(names: str | None = None) -> list[str]:
+    """Import the modules of ``ddp.zygote-preload`` (``names``: comma-separated; default: the environment's
+    ``DASK_DDP_PRELOAD``, which the worker sets), so that a job that imports them pays nothing for it; return those
+    imported. A module that fails to import is recorded in :data:`PRELOAD_FAILED` (the job's history says why) and
+    the others go on: a job that needs it fails at its own import, with its own error. Raises nothing."""
+    import importlib
+
+    from dask_ddp.wire.task import PRELOAD_VARIABLE
+
+    wanted = os.environ.get(PRELOAD_VARIABLE, "") if names is None else names
+    for name in filter(None, (n.strip() for n in wanted.split(","))):
+        if name in PRELOADED or name in PRELOAD_FAILED:
+            continue
+        try:
+            importlib.import_module(name)
+            PRELOADED.append(name)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a module's SystemExit too: the process must live
+            PRELOAD_FAILED[name] = f"{type(e).__name__}: {e}"[:300]
+            logger.warning("dask-ddp: ddp.zygote-preload: %s did not import (%s)", name, PRELOAD_FAILED[name])
+    return list(PRELOADED)
 
 
 def register_backends(names: tuple[str, ...] = ("gloo", "nccl")) -> bool:

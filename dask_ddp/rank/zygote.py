@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     rank.warm_imports()
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:  # see the module docstring: forking beside a live thread can deadlock the child
-        replies.send(("error", f"the zygote has threads {extra} after its imports; it cannot fork safely"))
+        replies.send(("error", f"the zygote has threads {extra} after its imports; it cannot fork safely (a module of "
+                                  "ddp.zygote-preload that starts a thread cannot be preloaded)"))
         os._exit(1)
     replies.send(("ready", os.getpid()))
     wake_r, wake_w = os.pipe()  # SIGCHLD writes here (set_wakeup_fd): select() wakes at once to reap

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     idle = float(dask.config.get("ddp.zygote-host-idle", 5))
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:  # as the zygote: forking beside a live thread can deadlock the child
-        sys.exit(f"the zygote host has threads {extra} after its imports; it cannot fork safely")
+        sys.exit(f"the zygote host has threads {extra} after its imports; it cannot fork safely (a module "
+                 "of ddp.zygote-preload that starts a thread cannot be preloaded)")
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

@@ -34,7 +34,7 @@ import msgpack
 
 __all__ = ["RESERVED_KEYS", "INT_MIN", "INT_MAX", "MAX_LINE", "safe_text", "clip_line", "wire_safe", "escaped",
            "unpack", "chunked", "item_size", "flat_size", "batch_size", "pack_items", "items_of", "EventLimits",
-           "Budget", "DROP_REASONS", "dropped_item", "throttled_item"]
+           "Budget", "DROP_REASONS", "dropped_item", "throttled_item", "preloaded_item"]
 
 #: Keys every event carries; a metric may not use them.
 RESERVED_KEYS = frozenset({"kind", "rank", "attempt", "time", "step", "worker", "stream", "line", "level"})
@@ -279,6 +279,13 @@ def dropped_item(rank: int, attempt: int, what: str, reason: str, count: int) ->
     ``rank`` were dropped for ``reason`` (a key of :data:`DROP_REASONS`)."""
     return {"kind": "dropped", "rank": rank, "attempt": attempt, "time": time.time(), "what": what,
             "reason": reason, "count": int(count)}
+
+
+def preloaded_item(rank: int, attempt: int, modules: list[str], failed: dict[str, str]) -> dict:
+    """The item that tells the client which modules of ``ddp.zygote-preload`` ``rank``'s warm process imported
+    before the job (``modules``), and which failed to import and why (``failed``)."""
+    return {"kind": "preloaded", "rank": rank, "attempt": attempt, "time": time.time(),  # flat, as every item
+            "modules": ", ".join(map(str, modules)), "failed": "; ".join(f"{k} ({v})" for k, v in failed.items())}
 
 
 def throttled_item(rank: int, attempt: int, seconds: float, calls: int) -> dict:

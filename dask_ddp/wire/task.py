@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from dask_ddp.wire.events import EventLimits
 from dask_ddp.wire.plan import RankSpec, torchrun_env
 
-__all__ = ["RankTask", "topic_of", "TOKEN_VARIABLE"]
+__all__ = ["RankTask", "topic_of", "TOKEN_VARIABLE", "PRELOAD_VARIABLE"]
 
 
 def topic_of(run_id: str) -> str:
@@ -21,6 +21,7 @@ def topic_of(run_id: str) -> str:
 
 
 TOKEN_VARIABLE = "DASK_DDP_RANK_TOKEN"
+PRELOAD_VARIABLE = "DASK_DDP_PRELOAD"  # ddp.zygote-preload, comma-separated, for the warm process (rank.warm)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 import dask
 
-from dask_ddp.wire.task import TOKEN_VARIABLE
+from dask_ddp.wire.task import PRELOAD_VARIABLE, TOKEN_VARIABLE
 from dask_ddp.worker.groups import ProcessGroup, open_pidfd
 from dask_ddp.worker.tmpdirs import sweep_tmp_roots, worker_tmp_root  # their first home: here
 
@@ -39,6 +39,8 @@ TRACKER_WAIT = 1.0  # seconds the rank's resource tracker has, after the rank's 
 
 
 def rank_environment() -> dict[str, str]:
+    """The environment of a worker's zygote and rank processes: the worker's, less the Nanny's malloc setting, plus
+    ``ddp.zygote-preload`` (the modules the warm process imports, in :data:`PRELOAD_VARIABLE`). Raises nothing."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # a print of text with lone surrogates (os.listdir of non-UTF-8 names) is shown escaped, not raised
     env.setdefault("PYTHONIOENCODING", "utf-8:backslashreplace")
@@ -47,6 +49,10 @@ def rank_environment() -> dict[str, str]:
     nanny = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
     if env.get("MALLOC_TRIM_THRESHOLD_") == str(nanny.get("MALLOC_TRIM_THRESHOLD_", "")):
         env.pop("MALLOC_TRIM_THRESHOLD_")
+    preload = dask.config.get("ddp.zygote-preload", None) or []
+    if isinstance(preload, str):  # one module, as a string (DASK_DDP__ZYGOTE_PRELOAD=transformers)
+        preload = [preload]
+    env[PRELOAD_VARIABLE] = ",".join(str(m).strip() for m in preload if str(m).strip())  # the zygote host's key
     return env
 
 

@@ -49,7 +49,8 @@ __all__ = ["Relay", "Gate", "drop_topic"]
 logger = logging.getLogger("dask_ddp")
 
 TICK = 0.1  # seconds between the relay's looks at what is queued
-CONTROL = frozenset({"telemetry", "dropped", "throttled", "forged"})  # small items the job relies on: bounded by count
+# small items the job relies on: bounded by count
+CONTROL = frozenset({"telemetry", "dropped", "throttled", "forged", "preloaded"})
 # one log record at most, by item_size: clip_line's cut and marker, escaped (a lone surrogate becomes 6
 # characters), 4 bytes a character when not ASCII, and its other fields
 LINE_BYTES = 4 * 6 * (MAX_LINE + 64) + 1024
@@ -64,7 +65,8 @@ class Gate:
       one burst plus that rate, so an honest rank passes whole as long as its batches reach the worker within
       four intervals of being made. A report over ``max-report-bytes`` (+256 for its stamp), a log record over
       :data:`LINE_BYTES`, any other item over ``max-report-bytes`` is dropped whole.
-    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits, forged-notice counts)
+    - The small items the job relies on (:data:`CONTROL`: telemetry, drop counts, waits, forged-notice counts,
+      the preloaded modules)
       pass beside that budget, at most ``control_items`` per interval of at most ``control_bytes`` each.
     - Output lines (the rank's stdout and stderr, from :class:`~dask_ddp.worker.pump.OutputPump`): a budget of
       their own, ``max-bytes-per-interval`` a flush interval (two at once), so that a rank that prints much
