@@ -106,7 +106,8 @@ def main() -> None:
     torchrun = statistics.median(seconds["torchrun"])
     lines = [f"# Trainers: run to result, and the callback's price ({datetime.date.today()})", "",
              f"`python benchmarks/bench_trainers.py --repeats {a.repeats} --steps {a.steps} --pairs {a.pairs}`, one "
-             f"run, 2 ranks, gloo on CPU, {os.cpu_count()} cores; the script: `examples/trainers/transformers_tiny.py`.",
+             f"run, 2 ranks, gloo on CPU, {os.cpu_count()} cores; the script: "
+             "`examples/trainers/transformers_tiny.py`.",
              "", "| way | run to result, median (s) | each run (s) | vs torchrun |", "|---|---|---|---|"]
     for way, values in seconds.items():
         med = statistics.median(values)
