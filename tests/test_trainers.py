@@ -342,3 +342,58 @@ def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_u
     line = [ln for ln in theirs.stdout.splitlines() if ln.startswith("RESULT")]
     assert len(line) == 1 and "world=2" in line[0], theirs.stdout
     assert f"[rank 0] {line[0]}" in ours.stdout.splitlines(), (line, ours.stdout)
+
+
+def lightning_trial(lr: float):
+    """A sweep trial: the Lightning loop with the callback (its loss, reported every step, is what Optuna reads)."""
+    return lightning_train(True, None, 50, 0.02)["world"]
+
+
+def test_a_pruned_sweep_trial_of_a_lightning_trainer_stops_on_all_its_ranks(cluster):
+    """The callback reports the trainer's loss at every logging step on every rank; the pruner stops the trial at
+    step 2 (its loss is far above 0.5), and both ranks stop at one agreed step, long before its 200 steps."""
+    optuna = pytest.importorskip("optuna")
+    import dask_ddp
+
+    s = dask_ddp.sweep(cluster, lightning_trial, {"lr": {"low": 0.1, "high": 0.2}}, n_trials=1, metric="loss",
+                       ranks_per_trial=2, scheduler=optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=2),
+                       sampler="random", seed=0, progress=False)
+    try:
+        assert s.wait(180) and s.state == "FINISHED", (s.state, s.cause)
+    finally:
+        s.cancel()
+    row = s.results().iloc[0]
+    assert row["state"] == "PRUNED" and row["pruned_at"] == 2, row
+    assert 2 <= row["stopped_step"] < 200, row
+
+
+def accelerate_settings():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    return {"world": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            "dynamo": os.environ.get("ACCELERATE_DYNAMO_BACKEND")}
+
+
+def test_an_accelerate_config_file_is_applied_to_every_rank_as_accelerate_launch_would(cluster, tmp_path):
+    config = tmp_path / "accelerate.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: bf16\n"
+                      "num_processes: 2\nuse_cpu: true\n")
+    out = run(cluster, accelerate_settings, accelerate_config=str(config)).result(timeout=300)
+    assert out == [{"world": 2, "mixed_precision": "bf16", "dynamo": "NO"}] * 2, out
+    plain = run(cluster, accelerate_settings).result(timeout=300)
+    assert [o["mixed_precision"] for o in plain] == ["no", "no"]  # the variables were the job's, not the workers'
+
+
+def test_a_bad_accelerate_config_is_refused_before_the_job_starts(cluster, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        run(cluster, accelerate_settings, accelerate_config=str(tmp_path / "missing.yaml"))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nno_such_key: 3\n")
+    with pytest.raises(ValueError, match="no_such_key"):
+        run(cluster, accelerate_settings, accelerate_config=str(unknown))
+    deepspeed = tmp_path / "deepspeed.yaml"
+    deepspeed.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
+                         "deepspeed_config:\n  zero_stage: 2\n")
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        run(cluster, accelerate_settings, accelerate_config=str(deepspeed))

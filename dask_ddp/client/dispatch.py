@@ -30,6 +30,7 @@ import dask
 
 from dask_ddp import config  # noqa: F401 - loads ddp.yaml into dask.config
 from dask_ddp.client import detach as detach_module
+from dask_ddp.client.accelerate_config import accelerate_environment
 from dask_ddp.client.callbacks import HOOKS
 from dask_ddp.client.cluster import check_client, scheduler_workers
 from dask_ddp.client.control import LocalControl
@@ -65,7 +66,8 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
         master_addr: str | None = None, name: str | None = None, callbacks: Sequence = (),
         progress: bool = True, total: int | None = None, stall_timeout: float | None = None,
         max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_options: dict | None = None,
-        timeout: float | None = None, detach: bool = False, recovery: str = "restart", **kwargs: Any) -> Job:
+        timeout: float | None = None, detach: bool = False, recovery: str = "restart",
+        accelerate_config: str | os.PathLike | None = None, **kwargs: Any) -> Job:
     """Run ``fn(*args, **kwargs)`` once per worker as a rank of one DDP job; return a :class:`Job` at once.
 
     Inside ``fn`` the torch process group is initialised (it ends with the
@@ -132,6 +134,12 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
         dies, every rank is stopped. True: the job's controller runs in the scheduler's process and the
         job keeps running without this client; any client can :func:`attach` to it by name or run id
         (:mod:`dask_ddp.client.detach`). A detached job takes no ``callbacks``.
+    accelerate_config : path, optional
+        An ``accelerate config`` file (mixed precision, FSDP, dynamo, ...), applied to every rank as
+        ``accelerate launch --config_file`` applies it: the variables its launcher would set that configure
+        Accelerate (``ACCELERATE_*``, ``FSDP_*``), made by Accelerate's own code (needs Accelerate where ``run``
+        is called; :mod:`dask_ddp.client.accelerate_config`). ``Accelerator()`` and Transformers' ``Trainer`` in
+        ``fn`` read them; the ranks, world and rendezvous stay dask-ddp's.
     recovery : "restart" or "live"
         ``restart`` (default): every fault ends the attempt, and ``max_restarts`` restarts it.
         ``live``: when a rank's process dies or its worker is lost, the other ranks go on in their
@@ -148,6 +156,9 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
         and called from its event loop (call ``run`` in a thread: ``asyncio.to_thread``).
     SerializationError
         ``fn`` or an argument cannot be pickled (names which).
+    FileNotFoundError, ValueError, ImportError
+        ``accelerate_config`` is not a file, not one Accelerate reads (or asks for DeepSpeed or a TPU), or
+        Accelerate is not installed here.
     PlanError
         Bad ``workers=``, unknown backend or ``recovery``, bad numbers.
     ClientClosedError
@@ -156,7 +167,7 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
     return start(client, fn, args, kwargs, workers=workers, backend=backend, master_addr=master_addr, name=name,
                  callbacks=callbacks, progress=progress, total=total, stall_timeout=stall_timeout,
                  max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, checkpoint_options=checkpoint_options,
-                 timeout=timeout, detach=detach, recovery=recovery)
+                 timeout=timeout, detach=detach, recovery=recovery, accelerate_config=accelerate_config)
 
 
 def start(client: Client, fn: Callable, args: Sequence, kwargs: dict, *, pickled: bool = False,
@@ -289,7 +300,8 @@ def _run_id(name, fn_name: str) -> str:
 
 def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_addr=None, name=None, callbacks=(),
               progress=True, total=None, stall_timeout=None, max_restarts=0, checkpoint_dir=None, timeout=None,
-              checkpoint_options=None, warm_cuda: bool | None = None, recovery: str = "restart") -> LaunchSpec:
+              checkpoint_options=None, warm_cuda: bool | None = None, recovery: str = "restart",
+              accelerate_config=None) -> LaunchSpec:
     """Everything :func:`run` checks, and the job's spec (``ddp.*`` read now), without starting anything; the
     keywords and their defaults are ``run``'s, ``warm_cuda`` is :func:`start`'s.
 
@@ -318,6 +330,7 @@ def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_ad
         raise PlanError(f"total={total!r}: expected a positive int or None")
     call = pickling.dumps_call(fn, args, kwargs)
     plan = plan_ranks(client, workers, master_addr)
+    env = accelerate_environment(accelerate_config, len(plan.ranks)) if accelerate_config is not None else {}
     return LaunchSpec(
         call=call, fn_name=fn_name, run_id=run_id, first_plan=plan, workers=workers,
         backend=backend, master_addr=master_addr, name=name,
@@ -335,7 +348,7 @@ def make_spec(client, fn, args, kwargs, *, workers=None, backend=None, master_ad
         max_restarts=max_restarts, recovery=recovery, checkpoint_dir=checkpoint_dir, progress=bool(progress),
         total=total,
         echo_logs=cfg["echo-logs"], callbacks=callbacks, checkpoint_options=checkpoint_options,
-        warm_cuda=bool(cfg.get("warm-cuda", False) if warm_cuda is None else warm_cuda),
+        warm_cuda=bool(cfg.get("warm-cuda", False) if warm_cuda is None else warm_cuda), env=env,
         **_telemetry(cfg["telemetry"]))
 
 

@@ -110,5 +110,6 @@ def rank_tasks(spec: LaunchSpec, run_id: str, attempt: int, plan: RankPlan) -> l
                      limits=spec.event_limits,
                      telemetry_interval=spec.telemetry_interval, max_restarts=spec.max_restarts,
                      checkpoint_dir=spec.checkpoint_dir, checkpoint_options=spec.checkpoint_options,
-                     spare_early=attempt < spec.max_restarts, warm_cuda=spec.warm_cuda, recovery=spec.recovery)
+                     spare_early=attempt < spec.max_restarts, warm_cuda=spec.warm_cuda, recovery=spec.recovery,
+                     extra_env=spec.env)
             for r in plan.ranks]

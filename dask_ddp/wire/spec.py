@@ -50,3 +50,4 @@ class LaunchSpec:
     echo_logs: bool = True
     callbacks: tuple = ()
     warm_cuda: bool = False  # the next rank of each worker starts CUDA while this job runs (ddp.warm-cuda; sweeps)
+    env: dict = field(default_factory=dict)  # more variables for every rank (run(accelerate_config=...))

@@ -54,6 +54,7 @@ class RankTask:
     # "live": a lost rank's peers go on without it in their processes (dask_ddp.rank.live); "restart": every fault
     # restarts the job (the default)
     recovery: str = "restart"
+    extra_env: dict = field(default_factory=dict)  # the job's own variables (run(accelerate_config=...))
     # 0: a rank started with its attempt; n: the n-th rank a live job started into its running attempt, in the
     # place of a lost one: it joins the survivors' group (dask_ddp.rank.live) instead of the first rendezvous
     joined: int = 0
@@ -108,6 +109,7 @@ class RankTask:
 
     @property
     def env(self) -> dict[str, str]:
-        """torchrun's environment for the rank (all but MASTER_PORT, known once rank 0 has bound it)."""
-        return torchrun_env(self.rank, self.master_addr, self.run_id, self.attempt, self.max_restarts) | {
-            TOKEN_VARIABLE: self.token}
+        """torchrun's environment for the rank (all but MASTER_PORT, known once rank 0 has bound it), over the
+        job's own variables (:attr:`extra_env`)."""
+        return self.extra_env | torchrun_env(self.rank, self.master_addr, self.run_id, self.attempt,
+                                             self.max_restarts) | {TOKEN_VARIABLE: self.token}
