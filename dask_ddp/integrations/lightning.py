@@ -17,7 +17,9 @@ What the callback does, with ``trainer.fit(model, ...)`` unchanged:
   checkpoint, which this callback names (``ckpt_path``);
 - **preemption**: at the step every rank agreed to stop at (see :func:`dask_ddp.on_preemption`), the trainer saves
   its checkpoint there, and the job restarts from it: no step lost. Every rank passes each step's point
-  (Lightning's ``on_train_batch_end``), as the protocol needs.
+  (Lightning's ``on_train_batch_end``), as the protocol needs. Lightning restores its loop's place in the epoch
+  but not a plain ``DataLoader``'s: the callback has each one skip the batches the epoch had done (:class:`SkipOnce`
+  around its batch sampler's sampler), so the resumed epoch goes on at the right sample.
 
 A job started without ``checkpoint_dir`` gets the metrics and no checkpoints (a warning says so once).
 Outside a dask-ddp rank the callback does nothing.
@@ -25,6 +27,7 @@ Outside a dask-ddp rank the callback does nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import uuid
@@ -45,6 +48,27 @@ __all__ = ["DaskDDPCallback"]
 
 log = logging.getLogger("dask_ddp")
 PREFIX, SUFFIX = "step-", ".ckpt"
+
+
+class SkipOnce:
+    """A sampler that leaves out the first ``skip`` indices of ``inner``'s next pass, then is ``inner``; every
+    other attribute (``set_epoch``) is ``inner``'s."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner, self.skip = inner, skip
+
+    def __iter__(self) -> Any:
+        indices = iter(self.inner)
+        skip, self.skip = self.skip, 0
+        for _ in itertools.islice(indices, skip):
+            pass
+        return indices
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class DaskDDPCallback(OnExceptionCheckpoint):
@@ -95,6 +119,22 @@ class DaskDDPCallback(OnExceptionCheckpoint):
             raise due
         if self.every_n_train_steps and step % self.every_n_train_steps == 0:
             self._save(trainer)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: Any) -> None:
+        """After a resume mid-epoch (a preemption's save): have each plain ``DataLoader`` skip the batches of the
+        epoch done before the save, once, so the rest of the epoch is its rest (Lightning restores its loop's
+        position, not a plain loader's: it would take them from the start of the epoch)."""
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if not 0 < done < trainer.num_training_batches:
+            return
+        loaders = trainer.train_dataloader
+        if isinstance(loaders, dict):
+            loaders = list(loaders.values())
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            batches = getattr(loader, "batch_sampler", None)
+            if hasattr(loader, "state_dict") or batches is None or not hasattr(batches, "batch_size"):
+                continue  # resumable (Lightning restores it), or no batch sampler to skip in
+            batches.sampler = SkipOnce(batches.sampler, done * batches.batch_size)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: Any) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
