@@ -124,7 +124,7 @@ class DaskDDPCallback(OnExceptionCheckpoint):
         """After a resume mid-epoch (a preemption's save): have each plain ``DataLoader`` skip the batches of the
         epoch done before the save, once, so the rest of the epoch is its rest (Lightning restores its loop's
         position, not a plain loader's: it would take them from the start of the epoch)."""
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        done = getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0)  # (a _ProcessedTracker)
         if not 0 < done < trainer.num_training_batches:
             return
         loaders = trainer.train_dataloader
