@@ -38,6 +38,28 @@ def _killed_once(marker: str | None, rank: int, at: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# ---- the rules alone ---------------------------------------------------------------------------------------------
+def test_lightnings_devices_and_nodes_for_even_and_uneven_hosts():
+    from dask_ddp.rank.trainers import lightning_topology
+
+    assert lightning_topology(4, 2, 2, gpu=False) == (2, 2)  # torchrun's: ranks per host, hosts
+    assert lightning_topology(4, 2, 2, gpu=True) == (2, 2)
+    assert lightning_topology(8, 1, 8, gpu=True) == (1, 8)  # a GPU per pod
+    assert lightning_topology(3, 2, 2, gpu=False) == (3, 1)  # uneven (2 + 1): every CPU device is the CPU
+    assert lightning_topology(3, 1, 2, gpu=False) == (3, 1)
+    assert lightning_topology(3, 2, 2, gpu=True) is None  # uneven GPU hosts: no pair Lightning accepts
+
+
+def test_the_environment_leaves_what_the_worker_set_and_drops_the_slurm_task_variables():
+    from dask_ddp.rank.trainers import environment
+
+    put, drop = environment(2, 2, 1, False, {"SLURM_NTASKS": "8", "SLURM_JOB_ID": "7", "PL_TRAINER_DEVICES": "1"})
+    assert put == {"ACCELERATE_USE_CPU": "true", "PL_TRAINER_NUM_NODES": "1"}
+    assert drop == ["SLURM_NTASKS"]
+    put, drop = environment(2, 2, 1, True, {})
+    assert put == {"PL_TRAINER_DEVICES": "2", "PL_TRAINER_NUM_NODES": "1"} and drop == []
+
+
 # ---- Hugging Face Trainer -------------------------------------------------------------------------------------
 def hf_train(out: str, callback: bool = False, kill: str | None = None, steps: int = 8, pause: float = 0.0):
     import torch.distributed as dist

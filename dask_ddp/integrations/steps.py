@@ -5,7 +5,6 @@ Runs in: the rank process (inside a trainer's callback hooks).
 
 from __future__ import annotations
 
-import logging
 import numbers
 import os
 from typing import Any, Mapping
@@ -17,8 +16,6 @@ from dask_ddp.rank.reporting import report
 from dask_ddp.wire.errors import NotInRankError
 
 __all__ = ["numbers_of", "StepPoint", "job_subfolder", "newest"]
-
-log = logging.getLogger("dask_ddp")
 
 
 def numbers_of(logs: Mapping[str, Any]) -> dict[str, float | int]:
