@@ -12,9 +12,9 @@ What the callback does, with ``trainer.fit(model, ...)`` unchanged:
   set), the trainer's own checkpoint (``trainer.save_checkpoint``) goes to ``lightning/step-<N>.ckpt`` in the job's
   checkpoint folder (``run(..., checkpoint_dir=...)``), written under a temporary name and renamed once whole; the
   newest ``keep`` stay;
-- **resume**: after a restart (the same job's next attempt, or an elastic resize) ``fit()`` resumes from the newest
-  of them. The callback is an ``OnExceptionCheckpoint``: Lightning's ``fit(ckpt_path=None)`` then takes its "last"
-  checkpoint, which this callback names (``ckpt_path``);
+- **resume**: after a restart (the same job's next attempt, or an elastic resize) the first ``fit()`` resumes from
+  the newest of them. The callback is an ``OnExceptionCheckpoint``: Lightning's ``fit(ckpt_path=None)`` then
+  takes its "last" checkpoint, which this callback names (``ckpt_path``);
 - **preemption**: at the step every rank agreed to stop at (see :func:`dask_ddp.on_preemption`), the trainer saves
   its checkpoint there, and the job restarts from it: no step lost. Every rank passes each step's point
   (Lightning's ``on_train_batch_end``), as the protocol needs. Lightning restores its loop's place in the epoch
@@ -43,6 +43,7 @@ except ImportError:  # the older package name
 
 from dask_ddp.checkpoint.folder import check_int
 from dask_ddp.integrations.steps import StepPoint, job_subfolder, newest
+from dask_ddp.rank.context import get_context
 
 __all__ = ["DaskDDPCallback"]
 
@@ -99,15 +100,20 @@ class DaskDDPCallback(OnExceptionCheckpoint):
         self.every_n_epochs, self.every_n_train_steps, self.keep = every_n_epochs, every_n_train_steps, keep
         self.point = StepPoint()
         self._warned = False
+        self._resume = self.folder is not None and get_context().restart_count > 0  # a later attempt's first fit
         # Lightning's words for fit(ckpt_path=None) with an OnExceptionCheckpoint ("the last model of the previous
         # fit call will be used", "no last checkpoint available") fit its own use of it, not this resume
         warnings.filterwarnings("ignore", message=r".*\.fit\(ckpt_path=(None|\"last\")\)")
 
     @property
     def ckpt_path(self) -> str:
-        """The newest checkpoint in the job's folder ("" where none: Lightning then starts afresh)."""
-        found = newest(*self.folder, PREFIX, SUFFIX) if self.folder else None
+        """The newest checkpoint in the job's folder, for a later attempt's first ``fit()`` ("" where none, and for
+        a first attempt or a second ``fit()``: Lightning then starts as it would without the callback)."""
+        found = newest(*self.folder, PREFIX, SUFFIX) if self.folder and self._resume else None
         return found[1] if found else ""
+
+    def setup(self, trainer: "pl.Trainer", pl_module: Any, stage: str) -> None:
+        self._resume = False  # Lightning chose its checkpoint before this hook: the next fit() starts afresh
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -13,9 +13,10 @@ What the callback does, with ``trainer.train()`` unchanged:
   folder in the job (one small file written atomically: ``transformers.json`` in the job's checkpoint folder,
   or ``.dask-ddp-<run id>.json`` in ``output_dir`` for a job without ``checkpoint_dir``): a folder a crash left
   half-written is never registered;
-- **resume**: in the job's next attempt (a restart, an elastic resize) ``trainer.train()`` resumes from the
-  registered checkpoint: the callback passes it as ``resume_from_checkpoint`` where the call gives none (the
-  trainer's weights, optimizer, scheduler, RNG states, step and data position);
+- **resume**: in the job's next attempt (a restart, an elastic resize) the first ``trainer.train()`` resumes from
+  the registered checkpoint: the callback passes it as ``resume_from_checkpoint`` where the call gives none (the
+  trainer's weights, optimizer, scheduler, RNG states, step and data position); a first attempt, and a second
+  ``train()`` in one attempt, start as they would without it;
 - **preemption**: at the step every rank agreed to stop at (see :func:`dask_ddp.on_preemption`) the trainer saves
   a checkpoint there, registered as above, and the job restarts from it: no step lost.
 
@@ -34,7 +35,7 @@ from typing import Any
 import transformers
 from transformers import TrainerCallback
 
-from dask_ddp.checkpoint.folder import atomic_write, where
+from dask_ddp.checkpoint.folder import atomic_write, put, where
 from dask_ddp.integrations.steps import StepPoint, job_subfolder
 from dask_ddp.rank.context import get_context
 
@@ -69,8 +70,12 @@ class DaskDDPCallback(TrainerCallback):
             return None
         fs, path = registry
         try:
-            data = fs.cat_file(path) if fs is not None else open(path, "rb").read()
-        except (FileNotFoundError, OSError):
+            if fs is not None:
+                data = fs.cat_file(path)
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+        except OSError:  # none registered yet (FileNotFoundError), or unreadable: start afresh
             return None
         found = json.loads(data)["checkpoint"]
         return found if os.path.isdir(found) else None
@@ -91,8 +96,6 @@ class DaskDDPCallback(TrainerCallback):
         if fs is None:
             atomic_write(path, data)
         else:  # the job's folder: a local file atomically, an object in one PUT
-            from dask_ddp.checkpoint.folder import put
-
             put(where(None, None), "transformers.json", data)
 
     # ---- the hooks ----------------------------------------------------------------------------------------
@@ -103,10 +106,13 @@ class DaskDDPCallback(TrainerCallback):
         self.trainer = trainer
         train = trainer.train
 
+        first = [get_context().restart_count > 0]  # a later attempt's first train() resumes; no other call does
+
         @functools.wraps(train)
         def train_resumed(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
-            if resume_from_checkpoint is None:
+            if resume_from_checkpoint is None and first[0]:
                 resume_from_checkpoint = self.registered(trainer.args)
+            first[0] = False
             return train(resume_from_checkpoint, *a, **kw)
 
         trainer.train = train_resumed  # this trainer only: its class is left as it was
