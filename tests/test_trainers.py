@@ -54,10 +54,11 @@ def test_the_environment_leaves_what_the_worker_set_and_drops_the_slurm_task_var
     from dask_ddp.rank.trainers import environment
 
     put, drop = environment(2, 2, 1, False, {"SLURM_NTASKS": "8", "SLURM_JOB_ID": "7", "PL_TRAINER_DEVICES": "1"})
-    assert put == {"ACCELERATE_USE_CPU": "true", "PL_TRAINER_NUM_NODES": "1"}
+    assert put == {"ACCELERATE_USE_CPU": "true", "PL_TRAINER_NUM_NODES": "1", "LT_DEVICES": "2", "LT_NUM_NODES": "1"}
     assert drop == ["SLURM_NTASKS"]
     put, drop = environment(2, 2, 1, True, {})
-    assert put == {"PL_TRAINER_DEVICES": "2", "PL_TRAINER_NUM_NODES": "1"} and drop == []
+    assert put == {"PL_TRAINER_DEVICES": "2", "PL_TRAINER_NUM_NODES": "1", "LT_DEVICES": "2", "LT_NUM_NODES": "1"}
+    assert drop == []
 
 
 # ---- Hugging Face Trainer -------------------------------------------------------------------------------------
@@ -229,6 +230,33 @@ def test_lightning_under_a_slurm_allocation_takes_its_ranks_from_dask_ddp():
         assert o["SLURM_JOB_ID"] == "77" and "SLURM_NTASKS" not in o and "SLURM_PROCID" not in o
         assert o["PL_TRAINER_DEVICES"] == "2" and o["PL_TRAINER_NUM_NODES"] == "1"
     assert not set(out[0]["seen"]) & set(out[1]["seen"])
+
+
+def fabric_train():
+    from lightning.fabric import Fabric
+
+    fabric = Fabric()  # no devices=, no num_nodes=, no strategy=
+    fabric.launch()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net, opt = fabric.setup(net, opt)
+    data = torch.utils.data.TensorDataset(torch.arange(64.).view(16, 4), torch.zeros(16, 1))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=2))
+    seen = []
+    for x, y in loader:
+        seen += x[:, 0].tolist()
+        fabric.backward(torch.nn.functional.mse_loss(net(x), y))
+        opt.step()
+        opt.zero_grad()
+    return {"world": fabric.world_size, "seen": seen, "params": _params(net)}
+
+
+def test_lightning_fabric_with_its_defaults_trains_distributed(cluster):
+    out = run(cluster, fabric_train).result(timeout=300)
+    assert [o["world"] for o in out] == [2, 2]
+    assert not set(out[0]["seen"]) & set(out[1]["seen"])
+    assert torch.equal(out[0]["params"], out[1]["params"])
 
 
 # ---- output ----------------------------------------------------------------------------------------------------

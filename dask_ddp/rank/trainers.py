@@ -14,7 +14,9 @@ worker's own environment already sets is left as it is):
 - **Lightning** takes the ranks from torchrun's variables (its ``TorchElasticEnvironment``), but its own
   ``devices`` and ``num_nodes`` must say the same: with its defaults (one device, one node) it trains each rank
   alone, and a mismatch fails. ``PL_TRAINER_DEVICES`` and ``PL_TRAINER_NUM_NODES``, Lightning's defaults for
-  those two arguments, say ranks per host and hosts, as under torchrun (:func:`lightning_topology`).
+  those two arguments, say ranks per host and hosts, as under torchrun (:func:`lightning_topology`); so do
+  ``LT_DEVICES`` and ``LT_NUM_NODES`` for Fabric (what its command line sets; they take the place of a
+  ``Fabric(devices=...)`` of the code's own).
 - **SLURM**: a Dask worker started by dask-jobqueue or ``dask-ddp slurm`` carries its allocation's task variables
   (``SLURM_NTASKS``, ``SLURM_PROCID``, ...). Lightning would take its ranks from those (its ``SLURMEnvironment``
   comes first), and they describe the Dask workers, not the job's ranks: a rank's environment has none of them
@@ -69,6 +71,7 @@ def environment(world_size: int, local_world_size: int, num_nodes: int, gpu: boo
     pair = lightning_topology(world_size, local_world_size, num_nodes, gpu)
     if pair is not None:
         put["PL_TRAINER_DEVICES"], put["PL_TRAINER_NUM_NODES"] = str(pair[0]), str(pair[1])
+        put["LT_DEVICES"], put["LT_NUM_NODES"] = str(pair[0]), str(pair[1])  # Fabric's
     return ({k: v for k, v in put.items() if k not in environ}, [k for k in SLURM_TASK_VARIABLES if k in environ])
 
 
