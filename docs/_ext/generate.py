@@ -5,6 +5,8 @@
 - ``guide-toctree.md``: the user guide's table of contents (with ``hpc.md`` when it exists);
 - ``cli.md``: the ``--help`` of ``dask-ddp`` and of each of its commands, as the installed command prints them;
 - ``notebook.ipynb``: ``examples/notebook.ipynb`` (executed by MyST-NB during the build);
+- ``trainers-<library>.ipynb``: ``examples/trainers/<library>.ipynb``, Lightning's, Transformers' and Accelerate's
+  (executed too);
 - the figures kept outside ``docs/`` (``benchmarks/scale.png``).
 """
 
@@ -26,6 +28,7 @@ GUIDE = ("guide/launching", "guide/metrics", "guide/s3-data", "guide/streaming",
          "guide/preemption", "guide/many-hosts", "guide/kubernetes", "hpc", "guide/sweeps", "guide/trainers", "guide/cli", "guide/reliability", "guide/from-torchrun",
          "guide/from-dask-pytorch-ddp")  # from docs/; guide/index.md includes the list
 FIGURES = ("benchmarks/scale.png",)
+TRAINER_NOTEBOOKS = ("lightning", "transformers", "accelerate")  # examples/trainers/<name>.ipynb, executed too
 
 
 def all_pages(root: Path, out: Path) -> None:
@@ -35,6 +38,8 @@ def all_pages(root: Path, out: Path) -> None:
     _write(out / "cli.md", cli_page())
     _write(out / "guide-toctree.md", guide_toctree(root / "docs"))
     _copy(root / "examples" / "notebook.ipynb", out / "notebook.ipynb")
+    for name in TRAINER_NOTEBOOKS:
+        _copy(root / "examples" / "trainers" / f"{name}.ipynb", out / f"trainers-{name}.ipynb")
     for figure in FIGURES:
         _copy(root / figure, out / Path(figure).name)
 
