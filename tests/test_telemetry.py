@@ -92,7 +92,7 @@ def _steady(items, rank, skip=2):
 def test_telemetry_fields_and_known_input_wait(client):
     """A loader sleeping 0.1 s per batch on every rank: input wait is most of each step, on both ranks."""
     seen = Seen()
-    job = run(client, train, 40, input_sleep={0: 0.1, 1: 0.1}, callbacks=[seen])
+    job = run(client, train, 60, input_sleep={0: 0.1, 1: 0.1}, callbacks=[seen])  # ~6 windows: 2 start-up, 1 final
     assert job.result(timeout=180) == [0, 1]
     for rank in (0, 1):
         steady = _steady(seen.telemetry, rank)
