@@ -232,10 +232,12 @@ def test_lightning_under_a_slurm_allocation_takes_its_ranks_from_dask_ddp():
     assert not set(out[0]["seen"]) & set(out[1]["seen"])
 
 
-def fabric_train():
+def fabric_train(logged: bool = False):
     from lightning.fabric import Fabric
 
-    fabric = Fabric()  # no devices=, no num_nodes=, no strategy=
+    from dask_ddp.integrations.lightning import DaskDDPLogger
+
+    fabric = Fabric(loggers=[DaskDDPLogger()] if logged else None)  # no devices=, no num_nodes=, no strategy=
     fabric.launch()
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 1)
@@ -244,11 +246,13 @@ def fabric_train():
     data = torch.utils.data.TensorDataset(torch.arange(64.).view(16, 4), torch.zeros(16, 1))
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=2))
     seen = []
-    for x, y in loader:
+    for i, (x, y) in enumerate(loader):
         seen += x[:, 0].tolist()
-        fabric.backward(torch.nn.functional.mse_loss(net(x), y))
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        fabric.backward(loss)
         opt.step()
         opt.zero_grad()
+        fabric.log_dict({"loss": loss, "note": "not a number"}, step=i)
     return {"world": fabric.world_size, "seen": seen, "params": _params(net)}
 
 
@@ -257,6 +261,14 @@ def test_lightning_fabric_with_its_defaults_trains_distributed(cluster):
     assert [o["world"] for o in out] == [2, 2]
     assert not set(out[0]["seen"]) & set(out[1]["seen"])
     assert torch.equal(out[0]["params"], out[1]["params"])
+
+
+def test_fabrics_logs_reach_job_metrics_through_the_logger(cluster):
+    job = run(cluster, fabric_train, True)
+    job.result(timeout=300)
+    rows = job.metrics
+    assert sorted(rows[rows["rank"] == 0]["step"]) == list(range(4)), rows  # 8 batches of 2 over 2 ranks
+    assert set(rows["rank"]) == {0, 1} and rows["loss"].notna().all() and "note" not in rows.columns
 
 
 # ---- output ----------------------------------------------------------------------------------------------------

@@ -36,16 +36,19 @@ from typing import Any
 
 try:
     import lightning.pytorch as pl
+    from lightning.fabric.loggers import Logger as FabricLogger
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
-except ImportError:  # the older package name
+except ImportError:  # the older package names
     import pytorch_lightning as pl  # type: ignore[no-redef]
+    from lightning_fabric.loggers import Logger as FabricLogger  # type: ignore[no-redef,assignment]
     from pytorch_lightning.callbacks import OnExceptionCheckpoint  # type: ignore[no-redef,assignment]
 
 from dask_ddp.checkpoint.folder import check_int
-from dask_ddp.integrations.steps import StepPoint, job_subfolder, newest
+from dask_ddp.integrations.steps import StepPoint, job_subfolder, newest, numbers_of
 from dask_ddp.rank.context import get_context
+from dask_ddp.rank.reporting import report
 
-__all__ = ["DaskDDPCallback"]
+__all__ = ["DaskDDPCallback", "DaskDDPLogger"]
 
 log = logging.getLogger("dask_ddp")
 PREFIX, SUFFIX = "step-", ".ckpt"
@@ -179,3 +182,38 @@ class DaskDDPCallback(OnExceptionCheckpoint):
                 fs.rm(f"{path}/{name}")
         trainer.strategy.barrier("dask-ddp-checkpoint")
 
+
+class DaskDDPLogger(FabricLogger):
+    """Lightning Fabric's metrics to ``report()``, one line: ``Fabric(loggers=[DaskDDPLogger()])``.
+
+    Every ``fabric.log(...)`` / ``fabric.log_dict(...)`` of the loop becomes a report of this rank (numbers and
+    one-element tensors; at ``step`` when given, else ``report()``'s own count): rows in ``job.metrics``, the live
+    view and the sinks. Fabric calls it on every rank, so each such call is also the preemption protocol's point:
+    with a save registered by :func:`dask_ddp.on_preemption` (Fabric's loop saves by its own ``fabric.save``), the
+    agreed step saves it and raises :class:`dask_ddp.Preempted`. Outside a dask-ddp rank it does nothing.
+
+    Raises
+    ------
+    Preempted
+        From ``log`` at the step every rank agreed to stop at, as ``report()`` does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_rank = StepPoint().in_rank
+
+    @property
+    def name(self) -> str:
+        return "dask-ddp"
+
+    @property
+    def version(self) -> str:
+        return get_context().run_id if self._in_rank else ""
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        values = numbers_of(metrics)
+        if self._in_rank and values:
+            report(step=step, **values)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing: a job's parameters are its function's arguments (``job.history`` names the function)."""
