@@ -383,16 +383,17 @@ def test_without_preload_a_job_imports_transformers_itself(cluster):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("library", ["transformers", "lightning", "accelerate"])
-def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_under_torchrun(library):
-    """examples/trainers/<library>_tiny.py under ``dask-ddp run`` (2 workers) and under torchrun (2 processes),
-    given there the variables a dask-ddp rank gets (without them torchrun trains each rank alone on CPUs)."""
+def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_under_torchrun(cluster, library):
+    """examples/trainers/<library>_tiny.py under ``dask-ddp run`` (the module's 2 workers, through --scheduler) and
+    under torchrun (2 processes), given there the variables a dask-ddp rank gets (without them torchrun trains each
+    rank alone on CPUs)."""
     import subprocess
     import sys
 
     from test_cli import ROOT, run_cli
 
     script = ROOT / "examples" / "trainers" / f"{library}_tiny.py"
-    ours = run_cli("run", "--workers", "2", script, timeout=300)
+    ours = run_cli("run", "--scheduler", cluster.scheduler.address, script, timeout=300)
     assert ours.returncode == 0, ours.stderr[-3000:]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", PL_TRAINER_DEVICES="2", PL_TRAINER_NUM_NODES="1")
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
