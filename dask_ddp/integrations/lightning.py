@@ -44,7 +44,7 @@ except ImportError:  # the older package names
     from pytorch_lightning.callbacks import OnExceptionCheckpoint  # type: ignore[no-redef,assignment]
 
 from dask_ddp.checkpoint.folder import check_int
-from dask_ddp.integrations.steps import StepPoint, job_subfolder, newest, numbers_of
+from dask_ddp.integrations.steps import StepPoint, by_step, job_subfolder, newest, numbers_of
 from dask_ddp.rank.context import get_context
 from dask_ddp.rank.reporting import report
 
@@ -175,11 +175,8 @@ class DaskDDPCallback(OnExceptionCheckpoint):
         trainer.save_checkpoint(tmp)  # rank 0 writes; every rank waits at its barrier
         if trainer.global_rank == 0:
             fs.mv(tmp, final)
-            kept = sorted((int(n[len(PREFIX):-len(SUFFIX)]), n) for n in (os.path.basename(p) for p in
-                          fs.ls(path, detail=False)) if n.startswith(PREFIX) and n.endswith(SUFFIX)
-                          and n[len(PREFIX):-len(SUFFIX)].isdigit())
-            for _, name in kept[:-self.keep]:
-                fs.rm(f"{path}/{name}")
+            for _, old in by_step(fs, path, PREFIX, SUFFIX)[:-self.keep]:
+                fs.rm(old)
         trainer.strategy.barrier("dask-ddp-checkpoint")
 
 

@@ -15,7 +15,7 @@ from dask_ddp.rank.context import get_context
 from dask_ddp.rank.reporting import report
 from dask_ddp.wire.errors import NotInRankError
 
-__all__ = ["numbers_of", "StepPoint", "job_subfolder", "newest"]
+__all__ = ["numbers_of", "StepPoint", "job_subfolder", "by_step", "newest"]
 
 
 def numbers_of(logs: Mapping[str, Any]) -> dict[str, float | int]:
@@ -70,17 +70,22 @@ def job_subfolder(name: str) -> tuple[Any, str] | None:
     return where.fs, f"{where.root}/{name}"
 
 
-def newest(fs: Any, path: str, prefix: str, suffix: str = "") -> tuple[int, str] | None:
-    """The ``(step, path)`` of the entry ``<prefix><step><suffix>`` in ``path`` with the largest step, or None."""
-    best = None
+def by_step(fs: Any, path: str, prefix: str, suffix: str = "") -> list[tuple[int, str]]:
+    """The ``(step, path)`` of every entry ``<prefix><step><suffix>`` in ``path``, oldest step first ([] where the
+    folder does not exist)."""
     try:
         names = [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
     except FileNotFoundError:
-        return None
+        return []
+    found = []
     for name in names:
         middle = name[len(prefix):len(name) - len(suffix)] if suffix else name[len(prefix):]
         if name.startswith(prefix) and name.endswith(suffix) and middle.isdigit():
-            step = int(middle)
-            if best is None or step > best[0]:
-                best = (step, f"{path}/{name}")
-    return best
+            found.append((int(middle), f"{path}/{name}"))
+    return sorted(found)
+
+
+def newest(fs: Any, path: str, prefix: str, suffix: str = "") -> tuple[int, str] | None:
+    """The ``(step, path)`` of the entry ``<prefix><step><suffix>`` in ``path`` with the largest step, or None."""
+    found = by_step(fs, path, prefix, suffix)
+    return found[-1] if found else None

@@ -52,7 +52,6 @@ class DaskDDPCallback(TrainerCallback):
     def __init__(self) -> None:
         self.point = StepPoint()
         self.due: Any = None
-        self.trainer: Any = None
 
     # ---- the registry: which checkpoint-N of output_dir this job resumes from ------------------------------
     def _registry(self, args: Any) -> tuple[Any, str] | None:
@@ -103,7 +102,6 @@ class DaskDDPCallback(TrainerCallback):
         trainer = _calling_trainer()
         if trainer is None or not self.point.in_rank:
             return
-        self.trainer = trainer
         train = trainer.train
 
         first = [get_context().restart_count > 0]  # a later attempt's first train() resumes; no other call does
