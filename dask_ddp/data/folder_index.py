@@ -8,7 +8,6 @@ a filesystem.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -122,7 +121,7 @@ def _walk_local(root: str) -> dict[str, dict]:
 
 def cat_many(fs: Any, paths: list[str], chunk: int = 256) -> list:
     """The bytes of each path, or the exception its read raised, in order: concurrent GETs on an async
-    filesystem (``chunk`` at a time), one GET each (see :func:`_one_get`), else one read after another.
+    filesystem (``chunk`` at a time), one GET each (:func:`dask_ddp.storage.one_get`), else one read after another.
 
     Not ``fs.cat``: it expands globs and silently drops keys with ``[``, ``*`` or ``?``. Raises nothing of its own.
     """
@@ -138,18 +137,9 @@ def cat_many(fs: Any, paths: list[str], chunk: int = 256) -> list:
 
     from fsspec.asyn import sync
 
-    kwargs = _one_get(fs.__class__)
+    kwargs = storage.one_get(fs.__class__)
 
     async def gather(part: list[str]) -> list:
         return await asyncio.gather(*(fs._cat_file(p, **kwargs) for p in part), return_exceptions=True)
 
     return [b for lo in range(0, len(paths), chunk) for b in sync(fs.loop, gather, paths[lo:lo + chunk])]
-
-
-@functools.cache
-def _one_get(cls: Any) -> dict:
-    """``_cat_file``'s keywords for one GET a read: s3fs >= 2026.3 sends a HEAD before each GET unless
-    ``max_concurrency`` is 1 (once per filesystem class: inspecting is not free on a hot path)."""
-    import inspect
-
-    return {"max_concurrency": 1} if "max_concurrency" in inspect.signature(cls._cat_file).parameters else {}

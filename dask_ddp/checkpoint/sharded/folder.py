@@ -255,7 +255,7 @@ def read_metadata(where: Where, found: Step):
     path, _ = base(where)
     name = f"{path}/{found.folder}/.metadata"
     try:
-        data = retried(where, lambda: where.fs.cat_file(name), "reading it", f"{found.folder}/.metadata")
+        data = retried(where, lambda: storage.read_whole(where.fs, name), "reading it", f"{found.folder}/.metadata")
         with torch.serialization.safe_globals(_safe_types()):
             metadata = torch.load(io.BytesIO(data), weights_only=True)
         if not isinstance(metadata, Metadata):

@@ -3,10 +3,10 @@
 Runs in: the rank process (and one process exporting a checkpoint).
 
 Each rank reads only the items its shards need, grouped by file: a file it
-needs most of (``whole_file_share``, half by default) in one GET (the fastest
-path on S3), else the items' byte ranges; files in parallel threads. Each
-item's CRC-32 is checked before it lands in the state; a mismatch or a missing
-file raises :class:`~.writer.ShardError` naming the rank and the key.
+needs most of (``whole_file_share``, half by default) in one GET
+(:func:`dask_ddp.storage.read_whole`, the fastest path on S3), else the items'
+byte ranges; files in parallel threads. Each item's CRC-32 is checked before it
+lands in the state; a mismatch or a missing file raises :class:`~.writer.ShardError` naming the rank and the key.
 
 A CRC-32 proves nothing against whoever can write the folder (it lives in
 ``.metadata``, theirs to write too): a non-tensor item is unpickled here with
@@ -24,6 +24,7 @@ import threading
 import time
 import zlib
 
+from dask_ddp import storage
 from dask_ddp.checkpoint.sharded import values as dcp_values
 from dask_ddp.checkpoint.sharded import writer as dcp_storage
 from dask_ddp.checkpoint.sharded.writer import ShardError, with_retries
@@ -97,7 +98,7 @@ class ShardReader:
         path = f"{self.path}/{name}"
         try:
             if needed >= self.whole_file_share * size:  # views of the bytes read: no copy (tensors only read them)
-                whole = memoryview(with_retries(lambda: self.fs.cat_file(path)))
+                whole = memoryview(with_retries(lambda: storage.read_whole(self.fs, path)))
                 chunk: dict = {span: whole[span[0]:span[0] + span[1]] for span in spans}
             else:
                 chunk = {span: with_retries(functools.partial(self.fs.cat_file, path, start=span[0],

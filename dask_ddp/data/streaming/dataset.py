@@ -238,7 +238,7 @@ class StreamingDataset(torch.utils.data.Dataset):
                                     "*.tar shards (or does not exist): build shards with dask_ddp.data.write_shards, "
                                     "or point at a folder of WebDataset tars")
         with ThreadPoolExecutor(8) as pool:
-            blobs = list(pool.map(lambda n: fs.cat_file(f"{root.rstrip('/')}/{n}"), names))
+            blobs = list(pool.map(lambda n: storage.read_whole(fs, f"{root.rstrip('/')}/{n}"), names))
         cols: dict[str, list] = {k: [] for k in ("keys", "classes", "shard", "offset", "length", "ext")}
         for j, (name, data) in enumerate(zip(names, blobs)):
             for s in scan_tar(data, f"{self.url}/{name}"):
