@@ -207,3 +207,34 @@ def test_another_user_is_never_served(tmp_path, monkeypatch):
 
 def _unix_listeners(pid: int):
     return [c for c in psutil.Process(pid).net_connections(kind="unix")]
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "no-host"])
+def test_the_early_preload_starts_the_zygote_with_the_worker_and_the_first_job_takes_it(host):
+    """``--preload dask_ddp.worker.early`` (``dask-ddp run``'s local clusters): each worker's zygote is running
+    before any job, and the first job's ranks are forked from it, not from a zygote started by the job."""
+    env = {"ZYGOTE_HOST_TEST": uuid.uuid4().hex}
+    with dask.config.set({"ddp.zygote-host": host}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", host="127.0.0.1",
+                         preload=["dask_ddp.worker.early"], env=env) as cluster, Client(cluster) as client:
+        workers = client.run(os.getpid)
+
+        def zygotes() -> set[int]:
+            found = set()
+            for pid in workers.values():
+                for child in psutil.Process(pid).children(recursive=False):
+                    found.add(child.pid)
+            for proc in psutil.process_iter(["cmdline", "environ"]):
+                try:
+                    if HOST in " ".join(proc.info["cmdline"] or ()) and (proc.info["environ"] or {}).get(
+                            "ZYGOTE_HOST_TEST") == env["ZYGOTE_HOST_TEST"]:
+                        found.update(c.pid for c in proc.children())
+                except psutil.Error:
+                    pass
+            return found
+
+        wait_until(lambda: len(zygotes()) >= 2, timeout=60, what="a zygote per worker before any job")
+        before = zygotes()
+        got = run(client, _what_ranks_see).result(timeout=180)
+        assert {g["zygote"] for g in got} <= before, (got, before)
+        assert len({g["zygote"] for g in got}) == 2

@@ -199,7 +199,7 @@ def _local_cluster_kind(workers: int | None, dask_cuda: bool, gpus: int):
         from distributed.security import Security
 
         return dict(host="127.0.0.1", dashboard_address="127.0.0.1:0", threads_per_worker=1,
-                    security=Security.temporary())
+                    security=Security.temporary(), preload=["dask_ddp.worker.early"])  # torch imported meanwhile
     if gpus and dask_cuda and importlib.util.find_spec("dask_cuda") is not None:
         def make_cuda():
             from dask_cuda import LocalCUDACluster  # optional: dask-ddp[cuda]

@@ -22,7 +22,7 @@ from dask_ddp.wire.messages import WarmCuda
 from dask_ddp.worker.process import RankProcess
 from dask_ddp.worker.zygote import ForkedRank, Zygote
 
-__all__ = ["Launcher", "WARM_CUDA_IDLE"]
+__all__ = ["Launcher", "WARM_CUDA_IDLE", "start_early"]
 
 logger = logging.getLogger("dask_ddp")
 
@@ -30,6 +30,19 @@ logger = logging.getLogger("dask_ddp")
 # did not: its CUDA context (~0.5 GB of GPU memory) is not kept once the sweep (or loop of jobs) has ended
 WARM_CUDA_IDLE = 10.0
 GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")  # a GPU driver's device nodes (NVIDIA, AMD ROCm): ddp.warm-cuda's check
+_EARLY: list[Zygote] = []  # the zygote start_early started in this worker process, until a Launcher takes it
+
+
+def start_early() -> None:
+    """Start this worker process's zygote now (``ddp.zygote``, the default; else nothing), in the background; the
+    worker's first :class:`Launcher` takes it instead of starting one at the first job.
+
+    For a worker's start (:mod:`dask_ddp.worker.early`): ``import torch`` in the zygote (or the zygote host)
+    then runs while the cluster finishes starting and the client connects, not after the first job is sent.
+    A zygote no job takes ends with the worker process (its socket closes). Raises nothing of its own.
+    """
+    if Launcher.forks() and not _EARLY:
+        _EARLY.append(Zygote())
 
 
 class Launcher:
@@ -85,6 +98,8 @@ class Launcher:
 
     def _ensure_zygote(self) -> Zygote:
         with self._lock:
+            if self._zygote is None and _EARLY:
+                self._zygote = _EARLY.pop()
             if self._zygote is None or not self._zygote.alive():
                 if self._zygote is not None:
                     self._zygote.close()
