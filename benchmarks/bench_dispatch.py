@@ -19,6 +19,13 @@ calls ``init_process_group("gloo")`` itself. Two ranks, gloo, CPU, and
      ``ddp.zygote: false``, the spare rank process) has imported torch.
    * dask-ddp back-to-back: the same jobs with no pause in between (ranks are
      forked from the zygote: no job waits for an ``import torch``).
+   * the fork limit, in turn with each back-to-back job: a warm interpreter
+     (torch, DDP and ``torch._dynamo`` imported, as a zygote) forks two ranks
+     that each make a ``TCPStore`` on a fresh port, the gloo process group and
+     run the same ``train_linear``; from the fork to both children reaped. No
+     scheduler, no supervisor, no results sent anywhere: the least any
+     launcher can take for the same job on these cores (goal: back-to-back
+     jobs within 1.2x of it).
    * torchrun: ``torchrun --standalone --nproc-per-node 2 script.py``, the
      whole subprocess's wall time (what a user waits for).
 
@@ -150,6 +157,44 @@ if __name__ == "__main__":
 '''
 
 
+FORK_MAIN = '''
+if __name__ == "__main__":
+    import json
+    import os
+    import socket
+    import sys
+    import time
+
+    import torch
+    import torch._dynamo  # noqa: F401 - warm, as a zygote
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    kwargs = json.loads(sys.argv[2])
+    for line in sys.stdin:  # one round per line
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        started = time.time()
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
+                    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+                    train_linear(**kwargs)
+                    dist.destroy_process_group()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        codes = [os.waitpid(p, 0)[1] for p in pids]
+        print(json.dumps({"wall": time.time() - started, "ok": codes == [0, 0]}), flush=True)
+'''
+
+
 def write_script(folder: str) -> str:
     path = os.path.join(folder, "ddp_train.py")
     src = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in (train_linear, train_cnn))
@@ -157,6 +202,31 @@ def write_script(folder: str) -> str:
         fh.write('"""Written by benchmarks/bench_dispatch.py: the same functions dask-ddp runs."""\n\n' + src
                  + "\n" + TORCHRUN_MAIN)
     return path
+
+
+class ForkLimit:
+    """The fork limit's warm interpreter (:data:`FORK_MAIN`), kept for the run; :meth:`round` times one job."""
+
+    def __init__(self, folder: str, **kwargs):
+        path = os.path.join(folder, "fork_limit.py")
+        with open(path, "w") as fh:
+            fh.write(textwrap.dedent(inspect.getsource(train_linear)) + "\n" + FORK_MAIN)
+        self.proc = subprocess.Popen([sys.executable, path, "train_linear", json.dumps(kwargs)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=BASE_ENV)
+        self.round()  # warm-up: the first process group of the parent's children, not counted
+
+    def round(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        got = json.loads(self.proc.stdout.readline())
+        if not got["ok"]:
+            raise RuntimeError("a forked rank of the fork limit failed")
+        return got["wall"]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 # ---- helpers run on the Dask workers (client.run) -------------------------------------------------------------
@@ -265,7 +335,7 @@ def main(argv=None) -> int:
     script = write_script(tmp)
     lat_kw = {"steps": args.latency_steps, "seed": 0}
     cnn_kw = {"steps": args.cnn_steps, "seed": 0}
-    res: dict[str, list] = {k: [] for k in ("dask", "b2b", "torchrun", "cnn_dask", "cnn_torchrun")}
+    res: dict[str, list] = {k: [] for k in ("dask", "b2b", "fork", "torchrun", "cnn_dask", "cnn_torchrun")}
     waits = []
 
     def log(msg):
@@ -289,11 +359,17 @@ def main(argv=None) -> int:
                     f"torchrun {res['torchrun'][-1]['wall']:.3f} s")
             load["after latency"] = os.getloadavg()
 
-            # 1b. back-to-back dask jobs (first one warm, then no pause)
-            wait_warm(client, args.refill_wait)
-            for i in range(n):
-                res["b2b"].append(dask_job(client, train_linear, **lat_kw))
-            log("back-to-back: " + ", ".join(f"{r['wall']:.2f}" for r in res["b2b"]))
+            # 1b. back-to-back dask jobs (first one warm, then no pause), each beside a round of the fork limit
+            fork = ForkLimit(tmp, **lat_kw)
+            try:
+                wait_warm(client, args.refill_wait)
+                for i in range(n):
+                    res["b2b"].append(dask_job(client, train_linear, **lat_kw))
+                    res["fork"].append(fork.round())
+            finally:
+                fork.close()
+            log("back-to-back: " + ", ".join(f"{r['wall']:.2f}" for r in res["b2b"]) + "; fork limit: "
+                + ", ".join(f"{w:.2f}" for w in res["fork"]))
 
         # 2. per-step overhead, dask-ddp and torchrun alternating which goes first
         def dask_cnn():
@@ -340,6 +416,14 @@ def report(args, parts, res, waits, load, total, versions) -> str:
             f"DDP(Linear(32,32)) | {spread(d_wall)} | {spread(t_wall)} | {lat:.3f} | ≤ 0.25 | {ok(lat, 0.25)} |",
             f"| dispatch latency, back-to-back jobs (no pause) | {spread(b_wall)} | {spread(t_wall)} | "
             f"{b2b:.3f} | (info) | {'yes' if b2b <= 0.25 else 'no'} |"]
+        if res["fork"]:
+            f_wall = res["fork"]
+            paired = [a / b for a, b in zip(b_wall, f_wall)]
+            lines.append(f"| back-to-back jobs against the fork limit (2 ranks forked from a warm interpreter: store, "
+                         f"gloo, DDP, {L} steps; each beside a job) | {spread(b_wall)} | fork limit {spread(f_wall)} "
+                         f"| {med(b_wall) / med(f_wall):.2f}x the limit (paired median {med(paired):.2f}x) | ≤ 1.2x "
+                         f"| {ok(med(paired), 1.2)} |")
+            raw.append("fork limit wall (s): " + ", ".join(f"{x:.3f}" for x in f_wall))
 
         def mcol(key, rows):
             return f"{med([r[key] for r in rows]):.3f}"
