@@ -15,7 +15,7 @@ nvidia-smi -L
 python3 -c "import torch, dask, distributed, dask_cuda; print('torch', torch.__version__, 'dask', dask.__version__, 'dask-cuda', dask_cuda.__version__)"
 gpu_tests() {  # the GPU tests, within $1 seconds
   timeout "$1" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_devices.py tests/test_examples.py \
-    tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py tests/test_warm_cuda.py 2>&1 | tail -25
+    tests/test_telemetry_gpu.py tests/test_idioms.py tests/test_gpu_decode.py tests/test_warm_cuda.py tests/test_trainers_gpu.py 2>&1 | tail -25
 }
 parts=${*:-checks stream sweep}
 for part in $parts; do
