@@ -139,6 +139,7 @@ PUBLIC = {
     "dask_ddp.cli": ["main", "build_parser"],
     "dask_ddp.dashboard": ["DDPDashboard", "install"],
     "dask_ddp.integrations.lightning": ["DaskDDPCallback"],
+    "dask_ddp.integrations.fabric": ["DaskDDPCheckpoints"],
     "dask_ddp.integrations.transformers": ["DaskDDPCallback"],
 }
 

@@ -3,7 +3,9 @@
 Runs in: the rank process (a trainer's callback hooks). May import: :mod:`dask_ddp.rank`, :mod:`dask_ddp.data`,
 :mod:`dask_ddp.checkpoint`, :mod:`dask_ddp.storage`, :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 
-- :mod:`dask_ddp.integrations.lightning`: ``DaskDDPCallback`` for ``lightning.Trainer``;
+- :mod:`dask_ddp.integrations.lightning`: ``DaskDDPCallback`` for ``lightning.Trainer``, ``DaskDDPLogger`` for
+  Lightning Fabric's metrics;
+- :mod:`dask_ddp.integrations.fabric`: ``DaskDDPCheckpoints``, Lightning Fabric's checkpoints (its loop calls it);
 - :mod:`dask_ddp.integrations.transformers`: ``DaskDDPCallback`` for Hugging Face's ``Trainer``.
 
 Each streams the trainer's metrics to ``report()``, writes and resumes the trainer's own checkpoints in the job's

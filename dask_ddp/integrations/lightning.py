@@ -186,8 +186,9 @@ class DaskDDPLogger(FabricLogger):
     Every ``fabric.log(...)`` / ``fabric.log_dict(...)`` of the loop becomes a report of this rank (numbers and
     one-element tensors; at ``step`` when given, else ``report()``'s own count): rows in ``job.metrics``, the live
     view and the sinks. Fabric calls it on every rank, so each such call is also the preemption protocol's point:
-    with a save registered by :func:`dask_ddp.on_preemption` (Fabric's loop saves by its own ``fabric.save``), the
-    agreed step saves it and raises :class:`dask_ddp.Preempted`. Outside a dask-ddp rank it does nothing.
+    with :class:`~dask_ddp.integrations.fabric.DaskDDPCheckpoints` in the loop, its ``step`` saves at the agreed
+    step (and raises :class:`dask_ddp.Preempted` there); without it, the agreed step runs a save registered by
+    :func:`dask_ddp.on_preemption`, if any, and raises. Outside a dask-ddp rank it does nothing.
 
     Raises
     ------
