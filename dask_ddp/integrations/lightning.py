@@ -11,7 +11,8 @@ What the callback does, with ``trainer.fit(model, ...)`` unchanged:
 - **checkpoints**: at the end of every ``every_n_epochs`` epoch (and every ``every_n_train_steps`` steps, if
   set), the trainer's own checkpoint (``trainer.save_checkpoint``) goes to ``lightning/step-<N>.ckpt`` in the job's
   checkpoint folder (``run(..., checkpoint_dir=...)``), written under a temporary name and renamed once whole; the
-  newest ``keep`` stay;
+  newest ``keep`` stay. A sharded (FSDP2) ``ModelParallelStrategy``'s go through dask-ddp's DCP path instead
+  (:mod:`~dask_ddp.integrations.lightning_sharded`);
 - **resume**: after a restart (the same job's next attempt, or an elastic resize) the first ``fit()`` resumes from
   the newest of them. The callback is an ``OnExceptionCheckpoint``: Lightning's ``fit(ckpt_path=None)`` then
   takes its "last" checkpoint, which this callback names (``ckpt_path``);
@@ -44,6 +45,7 @@ except ImportError:  # the older package names
     from pytorch_lightning.callbacks import OnExceptionCheckpoint  # type: ignore[no-redef,assignment]
 
 from dask_ddp.checkpoint.folder import check_int
+from dask_ddp.integrations import lightning_sharded
 from dask_ddp.integrations.steps import StepPoint, by_step, job_subfolder, newest, numbers_of
 from dask_ddp.rank.context import get_context
 from dask_ddp.rank.reporting import report
@@ -104,6 +106,8 @@ class DaskDDPCallback(OnExceptionCheckpoint):
         self.point = StepPoint()
         self._warned = False
         self._resume = self.folder is not None and get_context().restart_count > 0  # a later attempt's first fit
+        self._sharded = lightning_sharded.job_directory() if self.folder is not None else None
+        self._route: lightning_sharded.ShardedRoute | None = None  # FSDP2's checkpoints: set up in setup()
         # Lightning's words for fit(ckpt_path=None) with an OnExceptionCheckpoint ("the last model of the previous
         # fit call will be used", "no last checkpoint available") fit its own use of it, not this resume
         warnings.filterwarnings("ignore", message=r".*\.fit\(ckpt_path=(None|\"last\")\)")
@@ -112,11 +116,20 @@ class DaskDDPCallback(OnExceptionCheckpoint):
     def ckpt_path(self) -> str:
         """The newest checkpoint in the job's folder, for a later attempt's first ``fit()`` ("" where none, and for
         a first attempt or a second ``fit()``: Lightning then starts as it would without the callback)."""
-        found = newest(*self.folder, PREFIX, SUFFIX) if self.folder and self._resume else None
+        if not (self.folder and self._resume):
+            return ""
+        sharded = lightning_sharded.newest(self._sharded)  # a job's checkpoints are all of one kind
+        if sharded:
+            return sharded
+        found = newest(*self.folder, PREFIX, SUFFIX)
         return found[1] if found else ""
 
     def setup(self, trainer: "pl.Trainer", pl_module: Any, stage: str) -> None:
+        """Route a sharded (FSDP2) strategy's checkpoints through dask-ddp's DCP path
+        (:mod:`~dask_ddp.integrations.lightning_sharded`), before Lightning resumes from one."""
         self._resume = False  # Lightning chose its checkpoint before this hook: the next fit() starts afresh
+        if self._sharded and self._route is None and lightning_sharded.takes(trainer.strategy):
+            self._route = lightning_sharded.ShardedRoute(trainer.strategy, self._sharded, self.keep)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -167,6 +180,9 @@ class DaskDDPCallback(OnExceptionCheckpoint):
             return
         fs, path = self.folder
         step = trainer.global_step
+        if self._route is not None:  # every rank its shards, committed once all are verified, keep-N pruned
+            trainer.save_checkpoint(self._route.name(step))
+            return
         final = f"{path}/{PREFIX}{step}{SUFFIX}"
         token = trainer.strategy.broadcast(uuid.uuid4().hex[:8])
         tmp = f"{path}/.{PREFIX}{step}{SUFFIX}.{token}.tmp"
