@@ -4,7 +4,8 @@ Runs in: the rank process (a trainer's callback hooks). May import: :mod:`dask_d
 :mod:`dask_ddp.checkpoint`, :mod:`dask_ddp.storage`, :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 
 - :mod:`dask_ddp.integrations.lightning`: ``DaskDDPCallback`` for ``lightning.Trainer``, ``DaskDDPLogger`` for
-  Lightning Fabric's metrics;
+  Lightning Fabric's metrics; its FSDP2 (``ModelParallelStrategy``) checkpoints go through dask-ddp's sharded
+  checkpoints (:mod:`dask_ddp.integrations.lightning_sharded`);
 - :mod:`dask_ddp.integrations.fabric`: ``DaskDDPCheckpoints``, Lightning Fabric's checkpoints (its loop calls it);
 - :mod:`dask_ddp.integrations.transformers`: ``DaskDDPCallback`` for Hugging Face's ``Trainer``.
 
