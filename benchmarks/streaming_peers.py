@@ -36,9 +36,28 @@ def fs(endpoint: str) -> Any:
     return _FS[key]
 
 
+DECODER = os.environ.get("BENCH_DECODER", "pil")  # "tv": the peers decode with torchvision's decode_jpeg
+
+
 def decode(blob: bytes) -> torch.Tensor:
-    """The one transform every system gets: JPEG bytes -> RGB PIL image -> float tensor (``ToTensor``)."""
+    """The one transform every system gets: JPEG bytes -> RGB PIL image -> float tensor (``ToTensor``); with
+    ``BENCH_DECODER=tv`` the same tensor by torchvision's ``decode_jpeg`` (bitwise equal here; the peers'
+    fastest per-sample path)."""
+    if DECODER == "tv":
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return decode_jpeg(torch.frombuffer(bytearray(blob), dtype=torch.uint8), mode=ImageReadMode.RGB).to(
+            torch.float32).div_(255)
     return to_tensor(Image.open(io.BytesIO(blob)).convert("RGB"))
+
+
+def decode_batch(blobs: list[bytes]) -> torch.Tensor:
+    """The decode ceiling's fastest path to the same tensors: every JPEG of a batch in one ``decode_jpeg`` call
+    (what dask-ddp's loader does for ``ToTensor``), stacked, ``to(float32).div_(255)``."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    out = decode_jpeg([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs], mode=ImageReadMode.RGB)
+    return torch.stack(out).to(torch.float32).div_(255)
 
 
 def collate_pairs(samples: list) -> tuple[torch.Tensor, torch.Tensor]:

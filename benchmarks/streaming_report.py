@@ -17,7 +17,7 @@ NAMES = {
     "mosaic": "Mosaic Streaming", "folder": "dask_ddp S3ImageFolder (a GET per image)",
     "raw": "ours, no decoding (the I/O path)", "floor": "build floor: the source images' GETs alone, 2 processes",
     "ceiling": "byte ceiling: s3fs cat of the shards, 2 processes, no decoding",
-    "decode": "decode ceiling: PIL + ToTensor from memory, 2 processes",
+    "decode": "decode ceiling: the same tensors from memory, a batch in one decode_jpeg call, 2 processes",
 }
 PEERS = ("litdata", "wds", "mosaic")
 
@@ -80,7 +80,9 @@ def render(report: dict) -> str:
         f"({report.get('total_bytes', 0) / max(args.images, 1) / 1e3:.1f} KB each), shard size "
         f"{report.get('shard_bytes', 0) / 1e6:.2f} MB for every system; moto S3 server on 127.0.0.1 in its own "
         "process. "
-        f"Readers: 2 ranks (gloo) x 2 DataLoader workers, batch {args.batch}, PIL decode + ToTensor in the workers; "
+        f"Readers: 2 ranks (gloo) x 2 DataLoader workers, batch {args.batch}, the tensors of PIL decode + ToTensor "
+        f"in the workers (the peers: {'PIL + ToTensor' if getattr(args, 'decoder', 'pil') == 'pil' else 'decode_jpeg'}"
+        " per sample; ours: its loader with transform=to_tensor, a step's JPEGs in one decode_jpeg call); "
         f"{args.repeat} round(s), median first, then each round. The 2nd epoch reads each system's cache.", "",
         "### Shard build", "",
         "| system | seconds | images/s | shards |", "|---|---:|---:|---:|",

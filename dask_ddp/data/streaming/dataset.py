@@ -23,6 +23,7 @@ import torch.utils.data
 
 from dask_ddp import storage
 from dask_ddp.data.folder_index import normalize_root
+from dask_ddp.data.streaming import batch_decode
 from dask_ddp.data.streaming import foreign as foreign_shards
 from dask_ddp.data.streaming.cache import ShardCache
 from dask_ddp.data.streaming.fetch import ShardFetcher
@@ -97,6 +98,9 @@ class StreamingDataset(torch.utils.data.Dataset):
         self.url, self.storage_options = normalize_root(url), dict(storage_options or {})
         self.shuffle, self.seed, self.buffer, self.on_error = shuffle, seed, buffer, on_error
         self.transform, self.target_transform, self.decoder = transform, target_transform, decoder or _decode
+        # ToTensor first and PIL's decoding: a step's JPEGs decoded in one call, the same tensors (batch_decode)
+        self.batched, self._after_tensor = batch_decode.split_to_tensor(transform) if decoder is None else (False,
+                                                                                                          None)
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self.cache_limit, self.retries, self.prefetch = int(cache_limit), retries, prefetch
         self.layout: foreign_shards.Layout | None = None  # set for MDS or LitData shards
@@ -170,35 +174,88 @@ class StreamingDataset(torch.utils.data.Dataset):
         fetched (and kept), or with ``ranged`` from a ranged read of them alone.
         Raises SampleDecodeError (``on_error="raise"``), ShardDataError, OSError as the fetch does.
         """
-        idx, cols = self.index, self.columns
-        j = cols["shard"][i]
-        o, n = cols["offset"][i], cols["length"][i]
+        j = self.columns["shard"][i]
+        o, n = self.columns["offset"][i], self.columns["length"][i]
         if ranged and shard_bytes is None:
             blob = self.fetcher.get_range(j, o, n)
         else:
             blob = (shard_bytes if shard_bytes is not None else self.fetcher.get(j))[o:o + n]
         try:
-            if len(blob) != n:
-                raise EOFError(f"{n} bytes expected at offset {o} of the shard, found {len(blob)}")
-            ext, target = idx.ext[i], cols["classes"][i]
-            if self.layout is not None:  # an MDS or LitData record: its image and class out of its fields
-                blob, ext, label = self.layout.parse(blob)
-                target = -1 if label is None else label
+            blob, ext, target = self._record(i, blob)
             sample = self.decoder(blob, ext)
             if self.transform is not None:
                 sample = self.transform(sample)
-            if self.target_transform is not None:
-                target = self.target_transform(target)
-        except Exception as err:  # noqa: BLE001 - named below, raised or skipped as asked
-            if self.on_error == "skip":
-                logger.warning("skipping sample %s of shard %s: %s: %s", idx.keys[i], self.fetcher.url(j),
-                               type(err).__name__, err)
-                return None
-            raise SampleDecodeError(
-                f"sample {idx.keys[i]!r} (#{i}) of shard {self.url}/{idx.shards[j]} failed to decode: "
-                f"{type(err).__name__}: {err}. Fix or drop it, or pass on_error='skip' to skip such samples",
-                shard=f"{self.url}/{idx.shards[j]}", key=idx.keys[i]) from err
-        return sample, target
+            return sample, self._target(target)
+        except Exception as err:  # noqa: BLE001 - named by _failed, raised or skipped as asked
+            return self._failed(i, err)
+
+    def load_many(self, ids: list[int], shard_bytes: Mapping[int, Any]) -> list:
+        """:meth:`load` of each of ``ids`` from its shard's bytes in ``shard_bytes``, with the step's JPEGs decoded
+        in one call where the transform starts with ``ToTensor`` (:mod:`.batch_decode`: the same tensors).
+        Raises as :meth:`load`."""
+        if not self.batched:
+            shard = self.columns["shard"]
+            return [self.load(i, shard_bytes[shard[i]]) for i in ids]
+        cols = self.columns
+        out: list = [None] * len(ids)
+        fast: list[tuple[int, int, Any, Any]] = []  # (position, sample, bytes, class) of the JPEGs
+        for k, i in enumerate(ids):
+            o, n = cols["offset"][i], cols["length"][i]
+            try:
+                blob, ext, target = self._record(i, shard_bytes[cols["shard"][i]][o:o + n])
+            except Exception as err:  # noqa: BLE001 - named by _failed
+                out[k] = self._failed(i, err)
+                continue
+            if str(ext).lower() in batch_decode.JPEG_EXTS:
+                fast.append((k, i, blob, target))
+            else:
+                out[k] = self._finish(i, blob, ext, target)
+        for (k, i, blob, target), tensor in zip(fast, batch_decode.decode_jpegs([f[2] for f in fast])):
+            if isinstance(tensor, Exception):  # PIL reads what decode_jpeg cannot (CMYK), or names the error
+                out[k] = self._finish(i, blob, "jpg", target)
+                continue
+            try:
+                sample = self._after_tensor(tensor) if self._after_tensor is not None else tensor
+                out[k] = (sample, self._target(target))
+            except Exception as err:  # noqa: BLE001 - named by _failed
+                out[k] = self._failed(i, err)
+        return out
+
+    def _record(self, i: int, blob: Any) -> tuple[Any, str, Any]:
+        """``(bytes, extension, class)`` of sample ``i`` from its record's bytes ``blob``."""
+        n = self.columns["length"][i]
+        if len(blob) != n:
+            raise EOFError(f"{n} bytes expected at offset {self.columns['offset'][i]} of the shard, found "
+                           f"{len(blob)}")
+        if self.layout is not None:  # an MDS or LitData record: its image and class out of its fields
+            blob, ext, label = self.layout.parse(blob)
+            return blob, ext, -1 if label is None else label
+        return blob, self.index.ext[i], self.columns["classes"][i]
+
+    def _finish(self, i: int, blob: Any, ext: str, target: Any) -> Any:
+        """Sample ``i`` by the PIL path (decoder, transform): ``(sample, class)``, or as :meth:`_failed`."""
+        try:
+            sample = self.decoder(blob, ext)
+            if self.transform is not None:
+                sample = self.transform(sample)
+            return sample, self._target(target)
+        except Exception as err:  # noqa: BLE001 - named by _failed
+            return self._failed(i, err)
+
+    def _target(self, target: Any) -> Any:
+        return self.target_transform(target) if self.target_transform is not None else target
+
+    def _failed(self, i: int, err: Exception) -> Any:
+        """None for a sample skipped (``on_error="skip"``, logged), else raise SampleDecodeError naming it."""
+        idx, j = self.index, self.columns["shard"][i]
+        if self.on_error == "skip":
+            logger.warning("skipping sample %s of shard %s: %s: %s", idx.keys[i], self.fetcher.url(j),
+                           type(err).__name__, err)
+            return None
+        raise SampleDecodeError(
+            f"sample {idx.keys[i]!r} (#{i}) of shard {self.url}/{idx.shards[j]} failed to decode: "
+            f"{type(err).__name__}: {err}. Fix or drop it, or pass on_error='skip' to skip such samples",
+            shard=f"{self.url}/{idx.shards[j]}", key=idx.keys[i]) from err
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -57,7 +57,7 @@ class _EpochStream(torch.utils.data.IterableDataset):
                     seen += 1
                 fetcher.prefetch(need + shard_seq[seen:seen + ahead])
                 blobs = {j: fetcher.get(j) for j in need}
-                items = [ds.load(i, blobs[shard_of[i]]) for i in sample_ids.tolist()]
+                items = ds.load_many(sample_ids.tolist(), blobs)
                 kept = [(it, keys[i], k < real) for k, (it, i) in enumerate(zip(items, sample_ids.tolist()))
                         if it is not None]
                 if not kept:
