@@ -59,7 +59,10 @@ class StreamingDataset(torch.utils.data.Dataset):
         ``label``, ``cls``, ``class`` or ``target`` (-1 without one); keys are ``<shard>#<k>``.
     shuffle, seed : the epoch's order (see ``dask_ddp.data.streaming.order``); the same seed and epoch give
         the same global order at any world size and number of DataLoader workers.
-    transform, target_transform : applied to the decoded sample and to its class.
+    transform, target_transform : applied to the decoded sample and to its class. A ``transform`` that is
+        ``ToTensor`` (or a ``Compose`` starting with it) with the default decoder makes the loader decode a
+        step's JPEGs in one ``decode_jpeg`` call, bitwise the same tensors (``dask_ddp.data.streaming.batch_decode``;
+        ``batched`` is then True); any other transform gets PIL images.
     decoder : ``decoder(data: bytes, ext: str)`` -> sample; default: PIL, RGB (as ``ImageFolder``).
     cache_dir, cache_limit : a node-local cache of whole shards shared by this user's processes of a host
         (``dask_ddp.data.streaming.cache``), at most ``cache_limit`` bytes; None: no cache. The shards are kept
