@@ -35,7 +35,6 @@ import re
 import time
 from typing import Any, NamedTuple, Sequence
 
-from dask_ddp import storage
 from dask_ddp.checkpoint import folder, riders, stalls
 from dask_ddp.checkpoint.folder import Where, call, check_int, put
 from dask_ddp.wire.errors import DaskDDPError
@@ -232,7 +231,7 @@ def load_checkpoint(directory: str | None = None, *, step: int | None = None, ma
             return None
         name = entries[step if step is not None else max(entries)]
         try:
-            data = call(where, lambda: storage.read_whole(where.fs, where.path(name)), name)
+            data = call(where, lambda: where.fs.cat_file(where.path(name)), name)  # one big object: s3fs's ranged GETs
         except FileNotFoundError:
             if attempt == 2:
                 raise FileNotFoundError(f"{where.url_of(name)} is missing although its .done marker "
