@@ -21,12 +21,6 @@ pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with local_client(2) as client:
-        yield client
-
-
 def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -98,17 +92,17 @@ def hf_train(out: str, callback: bool = False, kill: str | None = None, steps: i
     return {"world": args.world_size, "seen": sorted(set(seen)), "params": _params(model)}
 
 
-def test_transformers_trainer_with_its_defaults_trains_distributed(cluster, tmp_path):
-    out = run(cluster, hf_train, str(tmp_path / "hf")).result(timeout=300)
+def test_transformers_trainer_with_its_defaults_trains_distributed(client, tmp_path):
+    out = run(client, hf_train, str(tmp_path / "hf")).result(timeout=300)
     assert [o["world"] for o in out] == [2, 2]
     assert not set(out[0]["seen"]) & set(out[1]["seen"]), "both ranks read the same samples"
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
-def test_the_transformers_callback_reports_and_resumes_a_killed_rank_from_the_trainers_checkpoint(cluster,
+def test_the_transformers_callback_reports_and_resumes_a_killed_rank_from_the_trainers_checkpoint(client,
                                                                                                  tmp_path):
-    clean = run(cluster, hf_train, str(tmp_path / "clean"), True).result(timeout=300)
-    job = run(cluster, hf_train, str(tmp_path / "hf"), True, str(tmp_path / "killed"), max_restarts=1,
+    clean = run(client, hf_train, str(tmp_path / "clean"), True).result(timeout=300)
+    job = run(client, hf_train, str(tmp_path / "hf"), True, str(tmp_path / "killed"), max_restarts=1,
               checkpoint_dir=str(tmp_path / "ckpt"))
     out = job.result(timeout=300)
     assert job.attempt.index == 1, job.history
@@ -143,8 +137,8 @@ def accelerate_train():
     return {"world": accelerator.num_processes, "seen": seen, "params": _params(net)}
 
 
-def test_accelerate_with_its_defaults_trains_distributed(cluster):
-    out = run(cluster, accelerate_train).result(timeout=300)
+def test_accelerate_with_its_defaults_trains_distributed(client):
+    out = run(client, accelerate_train).result(timeout=300)
     assert [o["world"] for o in out] == [2, 2]
     assert not set(out[0]["seen"]) & set(out[1]["seen"])
     assert torch.equal(out[0]["params"], out[1]["params"])
@@ -187,8 +181,8 @@ def lightning_train(callback: bool = False, kill: str | None = None, epochs: int
     return {"world": trainer.world_size, "seen": model.seen, "params": _params(model)}
 
 
-def test_lightning_with_its_defaults_trains_distributed(cluster):
-    job = run(cluster, lightning_train)
+def test_lightning_with_its_defaults_trains_distributed(client):
+    job = run(client, lightning_train)
     out = job.result(timeout=300)
     assert [o["world"] for o in out] == [2, 2]
     assert not set(out[0]["seen"]) & set(out[1]["seen"])
@@ -197,9 +191,9 @@ def test_lightning_with_its_defaults_trains_distributed(cluster):
     assert len(said) == 1, said  # Lightning's own console handler prints it; dask-ddp's does not again
 
 
-def test_the_lightning_callback_reports_and_resumes_a_killed_rank_from_its_checkpoint(cluster, tmp_path):
-    clean = run(cluster, lightning_train, True, None, 4, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
-    job = run(cluster, lightning_train, True, str(tmp_path / "killed"), 4, max_restarts=1,
+def test_the_lightning_callback_reports_and_resumes_a_killed_rank_from_its_checkpoint(client, tmp_path):
+    clean = run(client, lightning_train, True, None, 4, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
+    job = run(client, lightning_train, True, str(tmp_path / "killed"), 4, max_restarts=1,
               checkpoint_dir=str(tmp_path / "ckpt"))
     out = job.result(timeout=300)
     assert job.attempt.index == 1, job.history
@@ -256,15 +250,15 @@ def fabric_train(logged: bool = False):
     return {"world": fabric.world_size, "seen": seen, "params": _params(net)}
 
 
-def test_lightning_fabric_with_its_defaults_trains_distributed(cluster):
-    out = run(cluster, fabric_train).result(timeout=300)
+def test_lightning_fabric_with_its_defaults_trains_distributed(client):
+    out = run(client, fabric_train).result(timeout=300)
     assert [o["world"] for o in out] == [2, 2]
     assert not set(out[0]["seen"]) & set(out[1]["seen"])
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
-def test_fabrics_logs_reach_job_metrics_through_the_logger(cluster):
-    job = run(cluster, fabric_train, True)
+def test_fabrics_logs_reach_job_metrics_through_the_logger(client):
+    job = run(client, fabric_train, True)
     job.result(timeout=300)
     rows = job.metrics
     assert sorted(rows[rows["rank"] == 0]["step"]) == list(range(4)), rows  # 8 batches of 2 over 2 ranks
@@ -286,8 +280,8 @@ def redraws():
     logging.getLogger("mine").warning("first line\nsecond line")
 
 
-def test_a_progress_bar_is_seen_while_it_moves_and_a_multi_line_record_is_prefixed_on_every_line(cluster):
-    job = run(cluster, redraws, workers=1)
+def test_a_progress_bar_is_seen_while_it_moves_and_a_multi_line_record_is_prefixed_on_every_line(client):
+    job = run(client, redraws, workers=1)
     started = time.monotonic()
     wait_until(lambda: any("bar " in line for line in job.logs), 60, what="a redraw before the end")
     assert job.state == "RUNNING" or time.monotonic() - started < 4
@@ -376,14 +370,14 @@ def test_the_warm_process_preloads_the_listed_modules_and_the_history_says_so():
     assert "had imported transformers" in notes[0] and "no_such_module_for_dask_ddp (ModuleNotFoundError" in notes[0]
 
 
-def test_without_preload_a_job_imports_transformers_itself(cluster):
-    out = run(cluster, imported_before).result(timeout=300)
+def test_without_preload_a_job_imports_transformers_itself(client):
+    out = run(client, imported_before).result(timeout=300)
     assert [o["before"] for o in out] == [False, False]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("library", ["transformers", "lightning", "accelerate"])
-def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_under_torchrun(cluster, library):
+def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_under_torchrun(client, library):
     """examples/trainers/<library>_tiny.py under ``dask-ddp run`` (the module's 2 workers, through --scheduler) and
     under torchrun (2 processes), given there the variables a dask-ddp rank gets (without them torchrun trains each
     rank alone on CPUs)."""
@@ -393,7 +387,7 @@ def test_an_unchanged_script_prints_the_same_result_line_under_dask_ddp_run_as_u
     from test_cli import ROOT, run_cli
 
     script = ROOT / "examples" / "trainers" / f"{library}_tiny.py"
-    ours = run_cli("run", "--scheduler", cluster.scheduler.address, script, timeout=300)
+    ours = run_cli("run", "--scheduler", client.scheduler.address, script, timeout=300)
     assert ours.returncode == 0, ours.stderr[-3000:]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", PL_TRAINER_DEVICES="2", PL_TRAINER_NUM_NODES="1")
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -410,13 +404,13 @@ def lightning_trial(lr: float):
     return lightning_train(True, None, 50, 0.02)["world"]
 
 
-def test_a_pruned_sweep_trial_of_a_lightning_trainer_stops_on_all_its_ranks(cluster):
+def test_a_pruned_sweep_trial_of_a_lightning_trainer_stops_on_all_its_ranks(client):
     """The callback reports the trainer's loss at every logging step on every rank; the pruner stops the trial at
     step 2 (its loss is far above 0.5), and both ranks stop at one agreed step, long before its 200 steps."""
     optuna = pytest.importorskip("optuna")
     import dask_ddp
 
-    s = dask_ddp.sweep(cluster, lightning_trial, {"lr": {"low": 0.1, "high": 0.2}}, n_trials=1, metric="loss",
+    s = dask_ddp.sweep(client, lightning_trial, {"lr": {"low": 0.1, "high": 0.2}}, n_trials=1, metric="loss",
                        ranks_per_trial=2, scheduler=optuna.pruners.ThresholdPruner(upper=0.5, n_warmup_steps=2),
                        sampler="random", seed=0, progress=False)
     try:
@@ -436,25 +430,25 @@ def accelerate_settings():
             "dynamo": os.environ.get("ACCELERATE_DYNAMO_BACKEND")}
 
 
-def test_an_accelerate_config_file_is_applied_to_every_rank_as_accelerate_launch_would(cluster, tmp_path):
+def test_an_accelerate_config_file_is_applied_to_every_rank_as_accelerate_launch_would(client, tmp_path):
     config = tmp_path / "accelerate.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: bf16\n"
                       "num_processes: 2\nuse_cpu: true\n")
-    out = run(cluster, accelerate_settings, accelerate_config=str(config)).result(timeout=300)
+    out = run(client, accelerate_settings, accelerate_config=str(config)).result(timeout=300)
     assert out == [{"world": 2, "mixed_precision": "bf16", "dynamo": "NO"}] * 2, out
-    plain = run(cluster, accelerate_settings).result(timeout=300)
+    plain = run(client, accelerate_settings).result(timeout=300)
     assert [o["mixed_precision"] for o in plain] == ["no", "no"]  # the variables were the job's, not the workers'
 
 
-def test_a_bad_accelerate_config_is_refused_before_the_job_starts(cluster, tmp_path):
+def test_a_bad_accelerate_config_is_refused_before_the_job_starts(client, tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
-        run(cluster, accelerate_settings, accelerate_config=str(tmp_path / "missing.yaml"))
+        run(client, accelerate_settings, accelerate_config=str(tmp_path / "missing.yaml"))
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nno_such_key: 3\n")
     with pytest.raises(ValueError, match="no_such_key"):
-        run(cluster, accelerate_settings, accelerate_config=str(unknown))
+        run(client, accelerate_settings, accelerate_config=str(unknown))
     deepspeed = tmp_path / "deepspeed.yaml"
     deepspeed.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
                          "deepspeed_config:\n  zero_stage: 2\n")
     with pytest.raises(ValueError, match="DeepSpeed"):
-        run(cluster, accelerate_settings, accelerate_config=str(deepspeed))
+        run(client, accelerate_settings, accelerate_config=str(deepspeed))

@@ -15,17 +15,11 @@ import time
 
 import pytest
 import torch
-from _cluster import leftover_processes, local_client, rank_process_pids, run, wait_until
+from _cluster import leftover_processes, rank_process_pids, run, wait_until
 
 pytest.importorskip("lightning")
 
 STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_client(2) as client:
-        yield client
 
 
 def _params(model) -> torch.Tensor:
@@ -76,10 +70,10 @@ def fabric_train(every: int, keep: int, kill: str | None = None, progress: str |
 
 
 @pytest.fixture(scope="module")
-def clean(cluster, tmp_path_factory):
+def clean(client, tmp_path_factory):
     """The run without a fault: a checkpoint every step, the newest 3 kept; its results and its folder."""
     folder = tmp_path_factory.mktemp("clean")
-    job = run(cluster, fabric_train, 1, 3, checkpoint_dir=str(folder))
+    job = run(client, fabric_train, 1, 3, checkpoint_dir=str(folder))
     return job.result(timeout=300), folder / job.run_id / "fabric"
 
 
@@ -90,8 +84,8 @@ def test_keep_leaves_the_newest_checkpoints_and_no_temporary_file(clean):
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
-def test_a_killed_rank_resumes_from_the_newest_checkpoint_to_the_same_parameters(cluster, clean, tmp_path):
-    job = run(cluster, fabric_train, 2, 2, str(tmp_path / "killed"), max_restarts=1,
+def test_a_killed_rank_resumes_from_the_newest_checkpoint_to_the_same_parameters(client, clean, tmp_path):
+    job = run(client, fabric_train, 2, 2, str(tmp_path / "killed"), max_restarts=1,
               checkpoint_dir=str(tmp_path / "ckpt"))
     out = job.result(timeout=300)
     assert job.attempt.index == 1, job.history
@@ -100,7 +94,7 @@ def test_a_killed_rank_resumes_from_the_newest_checkpoint_to_the_same_parameters
     assert sorted(os.listdir(tmp_path / "ckpt" / job.run_id / "fabric")) == ["step-10.ckpt", "step-12.ckpt"]
     for a, b in zip(out, clean[0]):
         assert torch.equal(a["params"], b["params"]), (a["params"] - b["params"]).abs().max()
-    assert leftover_processes(cluster) == []
+    assert leftover_processes(client) == []
 
 
 def bad_settings():
@@ -128,8 +122,8 @@ def bad_settings():
             "saved": [ckpt.step(1, state), ckpt.step(2, state)]}
 
 
-def test_bad_settings_fail_naming_the_rank_and_a_job_without_a_folder_saves_nothing(cluster):
-    job = run(cluster, bad_settings)
+def test_bad_settings_fail_naming_the_rank_and_a_job_without_a_folder_saves_nothing(client):
+    job = run(client, bad_settings)
     out = job.result(timeout=300)
     for o in out:
         who = f"DaskDDPCheckpoints on rank {o['rank']}: "
@@ -149,13 +143,13 @@ def _past_step_3(progress) -> bool:
     return progress.exists() and progress.read_text() not in ("", "1", "2")
 
 
-def test_a_sigterm_to_a_rank_makes_the_helper_alone_save_at_the_agreed_step(cluster, clean, tmp_path):
+def test_a_sigterm_to_a_rank_makes_the_helper_alone_save_at_the_agreed_step(client, clean, tmp_path):
     """SIGTERM to rank 1's process (a pod's signal), a loop without a logger: the helper's ``step`` is the
     protocol's only point, agrees on the step, saves there; the job resumes from it on the same workers."""
     progress = tmp_path / "progress"
-    job = run(cluster, fabric_train, 100, 2, None, str(progress), 0.3, checkpoint_dir=str(tmp_path / "ckpt"))
+    job = run(client, fabric_train, 100, 2, None, str(progress), 0.3, checkpoint_dir=str(tmp_path / "ckpt"))
     wait_until(lambda: _past_step_3(progress), 180, what="3 steps")
-    [pid] = rank_process_pids(cluster)[job.plan.addresses[1]]["running"]
+    [pid] = rank_process_pids(client)[job.plan.addresses[1]]["running"]
     os.kill(pid, signal.SIGTERM)
     out = job.result(timeout=300)
     cause = next((h[3] for h in job.history if h[2] == "RESTARTING"), job.history)
@@ -168,19 +162,19 @@ def test_a_sigterm_to_a_rank_makes_the_helper_alone_save_at_the_agreed_step(clus
         assert torch.equal(a["params"], b["params"]), (a["params"] - b["params"]).abs().max()
 
 
-def test_a_retired_worker_makes_every_rank_save_at_the_agreed_step_and_no_step_is_lost(cluster, clean, tmp_path):
+def test_a_retired_worker_makes_every_rank_save_at_the_agreed_step_and_no_step_is_lost(client, clean, tmp_path):
     """retire_workers on rank 1's worker mid-run (a third worker added for the restart): the ranks agree on a
     step, the helper saves there and raises Preempted, and the job resumes from that save on the 2 workers left.
     The loop also logs each step through DaskDDPLogger, a report() of the same step before the helper's: the
     protocol's point may be that report, and the save is still the helper's."""
-    cluster.cluster.scale(3)
-    cluster.wait_for_workers(3, timeout=120)
+    client.cluster.scale(3)
+    client.wait_for_workers(3, timeout=120)
     progress = tmp_path / "progress"
-    job = run(cluster, fabric_train, 100, 2, None, str(progress), 0.3, True, workers=2,
+    job = run(client, fabric_train, 100, 2, None, str(progress), 0.3, True, workers=2,
               checkpoint_dir=str(tmp_path / "ckpt"))
     wait_until(lambda: _past_step_3(progress), 180, what="3 steps")
     victim = job.plan.addresses[1]
-    cluster.retire_workers([victim])
+    client.retire_workers([victim])
     out = job.result(timeout=300)
     print(job.history)
     states = [h[2] for h in job.history]
@@ -196,4 +190,4 @@ def test_a_retired_worker_makes_every_rank_save_at_the_agreed_step_and_no_step_i
     assert steps == list(range(1, STEPS + 1)), steps  # each step reported once: none redone or skipped
     for a, b in zip(out, clean[0]):
         assert torch.equal(a["params"], b["params"]), (a["params"] - b["params"]).abs().max()
-    assert leftover_processes(cluster) == []
+    assert leftover_processes(client) == []

@@ -15,15 +15,9 @@ import time
 
 import pytest
 import torch
-from _cluster import local_client, run
+from _cluster import run
 
 pytest.importorskip("lightning")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_client(2) as client:
-        yield client
 
 
 def fsdp2_train(kill: str | None = None, epochs: int = 4):
@@ -73,10 +67,10 @@ def fsdp2_train(kill: str | None = None, epochs: int = 4):
             "step": trainer.global_step, "epoch": trainer.current_epoch}
 
 
-def test_fsdp2_checkpoints_are_dask_ddp_sharded_steps_and_a_killed_rank_resumes_bitwise(cluster, tmp_path):
-    clean = run(cluster, fsdp2_train, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
+def test_fsdp2_checkpoints_are_dask_ddp_sharded_steps_and_a_killed_rank_resumes_bitwise(client, tmp_path):
+    clean = run(client, fsdp2_train, checkpoint_dir=str(tmp_path / "clean")).result(timeout=300)
     assert [c["world"] for c in clean] == [2, 2] and clean[0]["step"] == 16
-    job = run(cluster, fsdp2_train, str(tmp_path / "killed"), max_restarts=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    job = run(client, fsdp2_train, str(tmp_path / "killed"), max_restarts=1, checkpoint_dir=str(tmp_path / "ckpt"))
     started = time.monotonic()
     out = job.result(timeout=300)
     print(f"killed and resumed in {time.monotonic() - started:.1f} s")
