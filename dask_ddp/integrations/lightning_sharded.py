@@ -50,8 +50,9 @@ def newest(directory: str | None) -> str:
 
 
 def takes(strategy: Any) -> bool:
-    """Whether ``strategy`` saves sharded (distributed) checkpoints that the route can carry: Lightning's
-    ``ModelParallelStrategy`` (FSDP2) with ``save_distributed_checkpoint=True``, and at most one optimizer."""
+    """Whether ``strategy`` saves sharded (distributed) checkpoints that the route carries: Lightning's
+    ``ModelParallelStrategy`` (FSDP2) with ``save_distributed_checkpoint=True`` (a module with more than one
+    optimizer is refused at its first save, naming the rank)."""
     try:
         from lightning.pytorch.strategies import ModelParallelStrategy
     except ImportError:  # the older package name, or a Lightning without it

@@ -185,12 +185,9 @@ class StreamingDataset(torch.utils.data.Dataset):
             blob = (shard_bytes if shard_bytes is not None else self.fetcher.get(j))[o:o + n]
         try:
             blob, ext, target = self._record(i, blob)
-            sample = self.decoder(blob, ext)
-            if self.transform is not None:
-                sample = self.transform(sample)
-            return sample, self._target(target)
         except Exception as err:  # noqa: BLE001 - named by _failed, raised or skipped as asked
             return self._failed(i, err)
+        return self._finish(i, blob, ext, target)
 
     def load_many(self, ids: list[int], shard_bytes: Mapping[int, Any]) -> list:
         """:meth:`load` of each of ``ids`` from its shard's bytes in ``shard_bytes``, with the step's JPEGs decoded
