@@ -13,8 +13,10 @@ the preemption protocol's.
 **Re-forming.** After a loss the members left agree on the next generation (the first proposal in the store
 wins), each checks in to it, and once every member has, they make its process group on a fresh store prefix
 (the same processes, a new group). A loss heard before every member checked in gives that generation up for the
-next (two losses at once; a replacement lost while it joins). Losses name the process (its rank and
-``RankTask.joined``), so an old loss never counts against a replacement.
+next (two losses at once; a replacement lost while it joins), and so does a rank that finds among the agreed
+members a process it knows was lost (the first proposal came from a rank that had not heard of that loss yet: the
+generation can never form, and this rank would hear no more news to say so). Losses name the process (its rank
+and ``RankTask.joined``), so an old loss never counts against a replacement.
 
 **Healing.** A replacement (the lost rank's number, started into the running attempt) is invited through the
 store (signed) to the generation that takes it in; every member then takes the state from the survivors' memory
@@ -205,6 +207,9 @@ class LiveGroup:
                 joiners = {r: n for r, n in self.replacing.items() if r in lost}
                 joiners.update((r, n) for r, n in grow.items() if (r, n) not in self.lost)
             members, joiners = self._agree(gen, sorted((set(self.members) - lost) | set(joiners)), joiners, error)
+            if self._doomed(members, joiners):  # agreed by a rank that had not heard a loss this one has: it
+                gen += 1  # can never form (a lost process never checks in), and no later news would say so here
+                continue
             try:
                 self.state.check(members)
             except StateError as exc:
@@ -236,6 +241,12 @@ class LiveGroup:
             raise LiveRecoveryError(f"rank {self.me} is not among the members agreed for generation {gen} "
                                     f"({members or 'none: a forged proposal'}): it was counted lost") from error
         return members, joiners
+
+    def _doomed(self, members: list[int], joiners: dict[int, int]) -> bool:
+        """Whether a process of the agreed generation (``members``; ``joiners``: rank -> n of those that join it) is
+        one this rank knows was lost: that generation can never form."""
+        with self.heard:
+            return any((m, joiners.get(m, self.incarnation.get(m, 0))) in self.lost for m in members)
 
     def join(self) -> int:
         """A replacement's start: wait for its invitation, join the survivors' group (a newer invitation when they
