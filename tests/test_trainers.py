@@ -440,6 +440,33 @@ def test_an_accelerate_config_file_is_applied_to_every_rank_as_accelerate_launch
     assert [o["mixed_precision"] for o in plain] == ["no", "no"]  # the variables were the job's, not the workers'
 
 
+def accelerate_kind():
+    import time
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    wrapped = accelerator.prepare(torch.nn.Linear(4, 2))
+    time.sleep(1.5)  # the watch looks once a second
+    return {"kind": str(accelerator.distributed_type), "wrapper": type(wrapped).__name__}
+
+
+def test_an_fsdp_accelerate_config_on_cpu_workers_is_warned_of_not_dropped_silently(client, tmp_path):
+    """Accelerate takes FSDP on GPUs only: on CPU workers it wraps the model in DDP without a word (found trying
+    to route its FSDP2 checkpoints). The job's rank 0 says so, once."""
+    config = tmp_path / "fsdp.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 2\n"
+                      "fsdp_config:\n  fsdp_version: 2\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n")
+    job = run(client, accelerate_kind, accelerate_config=str(config))
+    out = job.result(timeout=300)
+    assert out == [{"kind": "DistributedType.MULTI_CPU", "wrapper": "DistributedDataParallel"}] * 2, out
+    warned = [line for line in job.logs if "was asked for FSDP" in line]
+    assert len(warned) == 1 and warned[0].startswith("[rank 0]"), job.logs
+    plain = run(client, accelerate_kind)
+    plain.result(timeout=300)
+    assert not [line for line in plain.logs if "was asked for FSDP" in line], plain.logs
+
+
 def test_a_bad_accelerate_config_is_refused_before_the_job_starts(client, tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         run(client, accelerate_settings, accelerate_config=str(tmp_path / "missing.yaml"))

@@ -23,7 +23,8 @@ worker's own environment already sets is left as it is):
   (:data:`SLURM_TASK_VARIABLES`; the job and node variables stay).
 
 Where a trainer still runs undistributed (Accelerate's or Transformers' world differs from the job's: a
-``ACCELERATE_USE_CPU=false`` of the worker's, say), rank 0 logs a warning saying what to change (:func:`watch`).
+``ACCELERATE_USE_CPU=false`` of the worker's, say), or without the FSDP it was asked for (Accelerate drops FSDP on
+CPUs), rank 0 logs a warning saying what to change (:func:`watch`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import sys
 import threading
 from typing import Mapping
 
-__all__ = ["SLURM_TASK_VARIABLES", "environment", "lightning_topology", "prepare", "undistributed", "watch"]
+__all__ = ["SLURM_TASK_VARIABLES", "environment", "fsdp_dropped", "lightning_topology", "prepare", "undistributed",
+           "watch"]
 
 log = logging.getLogger("dask_ddp")
 
@@ -109,16 +111,40 @@ def undistributed(world_size: int) -> str | None:
             "Accelerator(cpu=True) / TrainingArguments(use_cpu=True).")
 
 
+def fsdp_dropped() -> str | None:
+    """What to know, if this process's Accelerate was asked for FSDP (``ACCELERATE_USE_FSDP``: an ``accelerate
+    config`` file of the FSDP kind, ``run(accelerate_config=...)``, or a plugin in the code, Transformers'
+    ``TrainingArguments(fsdp=...)`` too) but made its state without it: Accelerate takes FSDP on GPUs (and other
+    accelerators) only; on CPUs it wraps the model in DDP, every rank holding all of it, and says nothing. None
+    where it was not asked, or took it, or no state exists yet."""
+    state = sys.modules.get("accelerate.state")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
+        return None
+    try:
+        if state is None or not state.is_initialized():
+            return None
+        kind = state.AcceleratorState._shared_state.get("distributed_type")  # made already: only read
+    except Exception:  # noqa: BLE001 - another Accelerate than this was written for: no warning, never a failure
+        return None
+    if getattr(kind, "value", kind) == "FSDP":
+        return None
+    return (f"dask-ddp: Accelerate (or Transformers' Trainer) was asked for FSDP but trains with {kind}: Accelerate "
+            "uses FSDP on GPUs only, and on CPU workers it keeps the whole model on every rank, without a word. "
+            "Run the job on GPU workers for FSDP, or leave FSDP out of the config on CPUs.")
+
+
 def watch(world_size: int, every: float = WATCH_EVERY) -> threading.Thread:
     """Look every ``every`` seconds, from a daemon thread, for a trainer that runs undistributed
-    (:func:`undistributed`); log its warning once. Raises nothing."""
+    (:func:`undistributed`) or without the FSDP it was asked for (:func:`fsdp_dropped`); log each warning once.
+    Raises nothing."""
     def loop():
-        stop = threading.Event()
-        while not stop.wait(every):
-            message = undistributed(world_size)
-            if message:
-                log.warning(message)
-                return
+        stop, checks = threading.Event(), [lambda: undistributed(world_size), fsdp_dropped]
+        while checks and not stop.wait(every):
+            for check in list(checks):
+                message = check()
+                if message:
+                    log.warning(message)
+                    checks.remove(check)
     thread = threading.Thread(target=loop, name="dask-ddp-trainer-watch", daemon=True)
     thread.start()
     return thread
