@@ -275,3 +275,28 @@ def test_neither_the_package_nor_a_rank_imports_the_trainers():
                         outside.append(f"{name} imports {target} ({path.name}:{node.lineno})")
     assert found, "the integrations import their libraries: this test reads imports"
     assert not outside, outside
+
+
+def test_a_streaming_dataset_with_a_transform_of_its_own_does_not_import_torchvision(tmp_path):
+    """``StreamingDataset`` looks for torchvision's ``ToTensor`` in ``transform`` (the batched decode); a transform
+    of the user's cannot be one while ``torchvision.transforms`` is not imported, and importing it costs ~1.2 s
+    (it pulls in sympy): each forked reader of tests/test_streaming_cleanup.py paid it (72 s of 50 cycles, 11 s
+    without). Run in a fresh interpreter, with the shards written there first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from dask_ddp.data import StreamingDataset, write_shards\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_streaming import make_folder\n"
+        "make_folder(sys.argv[1] + '/src', n=12)\n"
+        "write_shards(sys.argv[1] + '/src', sys.argv[1] + '/shards', progress=False, client=False)\n"
+        "before = 'torchvision' in sys.modules\n"
+        "ds = StreamingDataset(sys.argv[1] + '/shards', transform=lambda img: img)\n"
+        "next(iter(ds.loader(4, collate_fn=list)))\n"
+        "print(before, 'torchvision' in sys.modules, ds.batched)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "False"], out.stdout

@@ -14,6 +14,7 @@ the PIL path, sample by sample, as before; the rest of a ``Compose`` runs on the
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 __all__ = ["split_to_tensor", "decode_jpegs", "JPEG_EXTS"]
@@ -26,6 +27,8 @@ def split_to_tensor(transform: Callable | None) -> tuple[bool, Callable | None]:
     transforms after it, None when none); else ``(False, transform)``. Raises nothing."""
     if transform is None:
         return False, None
+    if "torchvision.transforms" not in sys.modules:  # no ToTensor can exist yet: skip torchvision's import (~1 s)
+        return False, transform
     try:
         from torchvision.transforms import Compose, ToTensor
         from torchvision.transforms.functional import to_tensor
