@@ -372,3 +372,22 @@ def test_throttled_reads_are_retried_with_backoff_then_named(shards, caplog):
     with pytest.raises(SlowDown) as err:
         ds[0]
     assert any(ds.index.shards[0] in note and "attempt 2 of 2" in note for note in err.value.__notes__)
+
+
+def test_prefetch_is_a_byte_budget_over_the_mean_shard_or_a_number_of_shards(shards):
+    """The default (256MB) on small shards fetches 16 ahead (the cap) with 8 threads; a budget of 3 shards' bytes
+    fetches 3; an int is shards and threads as before; a budget under 2 shards still fetches 2."""
+    shards, _ = shards
+    idx = StreamingDataset(shards).index
+    mean = sum(idx.sizes) // len(idx.sizes)
+    assert len(idx.sizes) > 3 and mean < 256e6 / 16, (len(idx.sizes), mean)
+    default = StreamingDataset(shards)
+    assert (default.ahead, default.threads) == (16, 8)
+    assert StreamingDataset(shards, prefetch=f"{3 * mean}B").ahead == 3
+    assert (StreamingDataset(shards, prefetch=5).ahead, StreamingDataset(shards, prefetch=5).threads) == (5, 5)
+    assert StreamingDataset(shards, prefetch="1KB").ahead == 2
+    for bad in (-1, "lots", "0MB", 1.5):
+        with pytest.raises(ValueError, match="prefetch must be"):
+            StreamingDataset(shards, prefetch=bad)
+    seen, _ = consume(StreamingDataset(shards, seed=1, prefetch="1KB", transform=to_tensor), 2, 4)
+    assert flat(seen) == flat(consume(StreamingDataset(shards, seed=1, transform=to_tensor), 2, 4)[0])  # the same

@@ -28,15 +28,33 @@ from dask_ddp.data.streaming import foreign as foreign_shards
 from dask_ddp.data.streaming.cache import ShardCache
 from dask_ddp.data.streaming.fetch import ShardFetcher
 from dask_ddp.data.streaming.format import INDEX_NAME, ShardDataError, ShardIndex, crc32, scan_tar
+from dask_ddp.data.streaming.write import parse_size
 
 __all__ = ["StreamingDataset", "SampleDecodeError"]
 
 logger = logging.getLogger("dask_ddp.data")
 ON_ERROR = ("raise", "skip")
+PREFETCH = "256MB"  # fetched ahead by each reading process: a few large shards, or many small ones
+PREFETCH_MIN, PREFETCH_MAX, PREFETCH_THREADS = 2, 16, 8  # shards ahead for a size, and its threads
 
 
 class SampleDecodeError(ShardDataError):
     """A sample's bytes could not be decoded (or transformed); names the shard and the sample's key."""
+
+
+def _prefetch_budget(prefetch: Any) -> int | None:
+    """``prefetch`` as bytes (a size), or None for a number of shards; ValueError for neither."""
+    if isinstance(prefetch, int) and not isinstance(prefetch, bool):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be a number of shards >= 0 or a size such as '256MB', got {prefetch}")
+        return None
+    try:
+        if not isinstance(prefetch, str):
+            raise ValueError
+        return parse_size(prefetch)
+    except ValueError:
+        raise ValueError(f"prefetch must be a number of shards >= 0 or a size such as '256MB', got {prefetch!r}") \
+            from None
 
 
 def _decode(data: bytes, ext: str) -> Any:
@@ -73,7 +91,9 @@ class StreamingDataset(torch.utils.data.Dataset):
     on_error : ``"raise"`` a :class:`~dask_ddp.data.SampleDecodeError` for a sample that fails to decode, or
         ``"skip"`` it (counted in the loader's ``skipped``).
     retries : attempts after a throttled or failed GET, with exponential backoff.
-    prefetch : shards fetched ahead in background threads.
+    prefetch : what is fetched ahead in background threads: a size (``"256MB"``, the default: as many shards as
+        fit in it, at the dataset's mean shard size, between 2 and 16; the threads at most 8) or an int, that
+        many shards (and threads). ``ahead`` and ``threads`` say what it came to.
 
     Raises
     ------
@@ -85,19 +105,21 @@ class StreamingDataset(torch.utils.data.Dataset):
     PermissionError
         The credentials were refused (the URL named, never the secret).
     ValueError
-        Bad ``on_error``, ``cache_limit``, ``buffer``, ``seed``.
+        Bad ``on_error``, ``cache_limit``, ``buffer``, ``seed``, ``prefetch``.
     """
 
     def __init__(self, url: str | os.PathLike, *, shuffle: bool = True, seed: int = 0,
                  transform: Callable | None = None, target_transform: Callable | None = None,
                  decoder: Callable[[bytes, str], Any] | None = None, cache_dir: str | os.PathLike | None = None,
                  cache_limit: int = 16 << 30, storage_options: Mapping[str, Any] | None = None,
-                 buffer: int = 4096, on_error: str = "raise", retries: int = 5, prefetch: int = 4) -> None:
+                 buffer: int = 4096, on_error: str = "raise", retries: int = 5,
+                 prefetch: int | str = PREFETCH) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if cache_limit < 0 or buffer < 1 or seed < 0 or retries < 0 or prefetch < 0:
-            raise ValueError(f"cache_limit, seed, retries, prefetch must be >= 0 and buffer >= 1, got {cache_limit}, "
-                             f"{seed}, {retries}, {prefetch}, {buffer}")
+        if cache_limit < 0 or buffer < 1 or seed < 0 or retries < 0:
+            raise ValueError(f"cache_limit, seed, retries must be >= 0 and buffer >= 1, got {cache_limit}, "
+                             f"{seed}, {retries}, {buffer}")
+        budget = _prefetch_budget(prefetch)  # then ahead, threads: shards fetched ahead by each reading process
         self.url, self.storage_options = normalize_root(url), dict(storage_options or {})
         self.shuffle, self.seed, self.buffer, self.on_error = shuffle, seed, buffer, on_error
         self.transform, self.target_transform, self.decoder = transform, target_transform, decoder or _decode
@@ -109,6 +131,13 @@ class StreamingDataset(torch.utils.data.Dataset):
         self.layout: foreign_shards.Layout | None = None  # set for MDS or LitData shards
         self.index = self._read_index()
         self.shard_sizes = np.bincount(self.index.shard, minlength=len(self.index.shards))
+        if budget is None:
+            self.ahead, self.threads = int(prefetch), max(1, int(prefetch))
+        else:  # a size: as many shards as fit, at the mean of the shard sizes the index knows (else 4 ahead)
+            known = [n for n in self.index.sizes if n > 0]
+            mean = max(1, sum(known) // len(known)) if known else max(1, budget // 4)
+            self.ahead = min(PREFETCH_MAX, max(PREFETCH_MIN, budget // mean))
+            self.threads = min(self.ahead, PREFETCH_THREADS)
         self._check_grouped()
         self._fetcher: ShardFetcher | None = None
         self._pid: int | None = None
@@ -166,7 +195,7 @@ class StreamingDataset(torch.utils.data.Dataset):
             cache = ShardCache(self.cache_dir, self.cache_limit) if self.cache_dir else None
             idx = self.index
             self._fetcher = ShardFetcher(self.url, idx.shards, idx.sizes, idx.crcs, self.storage_options, cache,
-                                         retries=self.retries, threads=max(1, self.prefetch), keep=self.prefetch + 4)
+                                         retries=self.retries, threads=self.threads, keep=self.ahead + 4)
             self._pid = os.getpid()
         return self._fetcher
 

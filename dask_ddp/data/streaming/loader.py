@@ -48,7 +48,7 @@ class _EpochStream(torch.utils.data.IterableDataset):
         picks = [(s, *plan.positions(s)) for s in steps]
         ids = [order[pos] for _, pos, _ in picks]
         shard_seq = _first_uses(np.concatenate(ids) if ids else np.zeros(0, np.int64), ds.index.shard)
-        fetcher, ahead, shard_of, keys = ds.fetcher, max(1, ds.prefetch), ds.columns["shard"], ds.index.keys
+        fetcher, ahead, shard_of, keys = ds.fetcher, max(1, ds.ahead), ds.columns["shard"], ds.index.keys
         try:
             seen = 0
             for (step, _, real), sample_ids in zip(picks, ids):
