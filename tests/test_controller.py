@@ -294,6 +294,31 @@ def test_the_stall_clock_starts_at_a_ranks_first_report():
     assert cluster.aborted == [] and ctl.attempt.stalled is None
 
 
+def telemetry(step):
+    return {"kind": "telemetry", "step": step, "time": 0.0}
+
+
+def test_a_rank_that_never_reports_is_stalled_once_its_steps_stop():
+    """No report() at all (a live job's loop, a plain DDP loop): the telemetry's step is its progress. The clock
+    starts at its first step, runs on while the step moves, and a step that stays put (a rank hung in a live group
+    that cannot form: session 11's hang) fails the job with the stall, not after ddp.timeout."""
+    ctl, cluster, clock, record = make(stall_timeout=3)
+    for k in range(5):  # steps made every 2 s: never a stall
+        cluster.pending = [cluster.batch(0, k, telemetry(k)), cluster.batch(1, k, telemetry(k))]
+        clock.t += 2
+        ctl.step(0)
+    assert cluster.aborted == []
+    for k in range(5, 8):  # the step stays at 4 on both ranks while telemetry keeps coming
+        cluster.pending = [cluster.batch(0, k, telemetry(4)), cluster.batch(1, k, telemetry(4))]
+        clock.t += 1.1
+        ctl.step(0)
+    assert cluster.aborted == ["job-1-0"]
+    cluster.end(0, "aborted")
+    cluster.end(1, "aborted")
+    run_until_ended(ctl)
+    assert isinstance(record.error, dask_ddp.StallError), record.error
+
+
 # ---- restarts ------------------------------------------------------------------------------------------------
 
 def test_a_restart_runs_a_new_attempt_on_the_same_number_of_workers():

@@ -113,9 +113,9 @@ def test_blame_stall(ages, live, stacks, rank, age, outside):
 def test_stall_error_names_the_rank_and_carries_every_stack():
     err = stall_error("job-1", StallBlame(1, None, True), 3.0, {0: IN_COLLECTIVE, 1: OUTSIDE}, "tcp://h:1")
     assert isinstance(err, dask_ddp.StallError) and (err.rank, err.worker) == (1, "tcp://h:1")
-    assert "rank 1 sent no report yet and is not inside a collective" in str(err)
+    assert "rank 1 made no progress yet and is not inside a collective" in str(err)
     assert "--- rank 0 ---" in str(err) and "time.sleep(60)" in str(err) and err.stacks[1] == OUTSIDE
-    assert "sent no report for 12 s" in str(stall_error("j", StallBlame(0, 12.2, False), 3.0, {}, "w"))
+    assert "made no progress for 12 s" in str(stall_error("j", StallBlame(0, 12.2, False), 3.0, {}, "w"))
 
 
 @pytest.mark.parametrize("stack, inside", [(IN_COLLECTIVE, True), (IN_BACKWARD, True), (OUTSIDE, False),

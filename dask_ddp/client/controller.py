@@ -87,6 +87,7 @@ class Controller:
         self._restart_need: tuple[int, Any] = (0, None)
         self._decision: policy.Decision | None = None  # the decision a restart acts on
         self.last_report: dict[int, float] = {}  # rank -> clock() of its latest report: the stall clock
+        self.stepped: dict[int, tuple[Any, float]] = {}  # rank -> (its telemetry's step, clock() it changed): too
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
@@ -170,7 +171,12 @@ class Controller:
         """Feed the straggler watch; name a straggler once (warning, history, callbacks, the jobs topic)."""
         self.callbacks("on_telemetry", item)
         att = self.attempt
-        if self.stragglers is None or att is None or item.get("attempt") != att.index:
+        if att is None or item.get("attempt") != att.index:
+            return
+        rank, step = item["rank"], item.get("step")
+        if step is not None and self.stepped.get(rank, (None,))[0] != step:  # a step (DDP, live, a batch) was made
+            self.stepped[rank] = (step, now)
+        if self.stragglers is None:
             return
         found = self.stragglers.update(item, now)
         if found is None:
@@ -189,7 +195,8 @@ class Controller:
     def _launch(self, index: int, plan: planning.RankPlan) -> None:
         tasks = rank_tasks(self.spec, self.run_id, index, plan)
         self.attempt = Attempt(index, plan, tasks, self.cluster.submit(tasks), self.clock())
-        self.last_report.clear()  # the stall clock of each rank restarts at its first report
+        self.last_report.clear()  # the stall clock of each rank restarts at its first report (or step)
+        self.stepped.clear()
         if self.stragglers is not None:
             self.stragglers.reset()
         with self.record.cond:
@@ -241,7 +248,8 @@ class Controller:
         if not limit or att.stalled or att.ended():
             return
         now = self.clock()
-        ages = {rk: now - t for rk, t in self.last_report.items() if rk not in att.outcomes}
+        seen = {**self.last_report, **{rk: max(t, self.last_report.get(rk, t)) for rk, (_, t) in self.stepped.items()}}
+        ages = {rk: now - t for rk, t in seen.items() if rk not in att.outcomes}
         if not any(age > limit for age in ages.values()):
             return
         stacks = self.cluster.stacks(att.tasks[0].attempt_id, att.plan.addresses)

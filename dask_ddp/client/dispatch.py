@@ -114,9 +114,11 @@ def run(client: Client, fn: Callable, *args: Any, workers: Any = None, backend: 
     progress : bool
         Show a progress bar in ``wait``/``result``. ``total``: steps for the bar.
     stall_timeout : float
-        Seconds a rank may go without a report, counted from its first report
-        (so slow starts never count); then the job fails with every rank's
-        stack dump. Default ``ddp.stall-timeout`` (off).
+        Seconds a rank may go without progress, counted from its first (so slow
+        starts never count); then the job fails with every rank's stack dump.
+        Progress is a ``report()``, or a step the rank's telemetry counted (a
+        DDP step, a live step, a batch drawn): a loop that never reports is
+        watched too. Default ``ddp.stall-timeout`` (off).
     max_restarts : int
         Restart the whole group this many times after a failure: with the same
         number of workers (waiting up to ``ddp.restart-wait`` seconds for

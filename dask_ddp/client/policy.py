@@ -145,12 +145,12 @@ class StallBlame:
     """The rank a stall is blamed on; ``outside``: it is the one not inside a collective, the others wait in one."""
 
     rank: int
-    age: float | None  # seconds since its last report; None: it never reported
+    age: float | None  # seconds since its last progress (a report, a step); None: none yet
     outside: bool
 
 
 def blame_stall(ages: Mapping[int, float], live: Sequence[int], stacks: Mapping[int, str]) -> StallBlame:
-    """Blame one rank for a stall, given each live rank's seconds since its last report and stack dump.
+    """Blame one rank for a stall, given each live rank's seconds since its last progress and stack dump.
 
     Ranks that wait inside a collective wait for one that is not: blame that one,
     past the limit yet or not (reports arrive up to a flush interval apart, so
@@ -165,11 +165,12 @@ def blame_stall(ages: Mapping[int, float], live: Sequence[int], stacks: Mapping[
 
 def stall_error(run_id: str, blame: StallBlame, limit: float, stacks: Mapping[int, str], worker: str) -> StallError:
     """The :class:`StallError` for ``blame``, with every rank's stack dump."""
-    silent = f"sent no report for {blame.age:.0f} s" if blame.age is not None else "sent no report yet"
+    silent = f"made no progress for {blame.age:.0f} s" if blame.age is not None else "made no progress yet"
     where = " and is not inside a collective (the others wait inside one)" if blame.outside else ""
     dump = "\n".join(f"--- rank {rk} ---\n{stacks[rk]}" for rk in sorted(stacks))
     return StallError(f"job {run_id} stalled: rank {blame.rank} {silent}{where} (stall_timeout={limit} s; the "
-                      f"clock of a rank starts at its first report). Stack dump of every rank:\n{dump}",
+                      f"clock of a rank starts at its first report or step; progress is a report() or a step its "
+                      f"telemetry counted). Stack dump of every rank:\n{dump}",
                       stacks=dict(stacks), rank=blame.rank, worker=worker)
 
 
