@@ -24,11 +24,12 @@ def _cuda_available() -> bool:
         return False
 
 
-# The longest files first (minutes each on 2 cores): the test command runs two files at a time
-# (pytest-xdist, --dist loadfile), and the short files then fill the end of the run instead of one worker
-# finishing a long file alone. Within a file the order stays as written.
-LONGEST_FIRST = ("test_preemption.py", "test_hosts.py", "test_resilience.py", "test_demo.py", "test_cli.py",
-                 "test_hardening.py", "test_slurm.py")
+# The longest files first (minutes each on 2 cores; the order of the clean-clone run of 2026-11-28, session 11):
+# the test command runs three files at a time (pytest-xdist, --dist loadfile), and the short files then fill the
+# end of the run instead of one worker finishing a long file alone. Within a file the order stays as written.
+LONGEST_FIRST = ("test_trainers.py", "test_slurm.py", "test_hosts.py", "test_preemption.py", "test_live_recovery.py",
+                 "test_docs.py", "test_cli.py", "test_demo.py", "test_resilience.py", "test_typing.py",
+                 "test_hardening.py", "test_sweep.py")
 
 
 def pytest_collection_modifyitems(config, items):
