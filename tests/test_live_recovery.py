@@ -304,6 +304,36 @@ def test_a_job_gone_smaller_takes_a_replacement_in_when_a_worker_comes(tmp_path)
         print(f"rank 2 back at step {joined[0]}")
 
 
+def hang_live(steps: int, hang_at: int):
+    """A live loop of synthetic batches that never calls report(); rank 1 hangs in its block at ``hang_at``."""
+    ctx = dask_ddp.get_context()
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in dask_ddp.live_steps(steps, model=net, optimizer=opt):
+        with step:
+            if ctx.rank == 1 and step.index == hang_at:
+                time.sleep(600)  # alive, silent: no loss is reported, rank 0 waits in the step's vote
+            opt.zero_grad()
+            net(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            time.sleep(0.05)
+
+
+def test_a_live_job_that_never_reports_is_still_watched_for_a_stall():
+    """The stall clock of a live loop runs on its committed steps (its telemetry's step), not only on report():
+    a rank hung alive (no process lost, nothing to recover) fails the job with the stall, every rank's stack
+    with it, instead of waiting in the vote for ddp.timeout (30 min)."""
+    with local_client(2) as client:
+        started = time.monotonic()
+        job = run(client, hang_live, 1000, 20, recovery="live", stall_timeout=5)
+        with pytest.raises(dask_ddp.StallError, match="made no progress") as err:
+            job.result(timeout=120)
+        took = time.monotonic() - started
+    print(f"stall found {took:.1f} s after run() (stall_timeout=5; steps to the hang ~1 s)")
+    assert took < 60, took
+    assert "hang_live" in str(err.value) and "time.sleep(600)" in str(err.value), str(err.value)[:2000]
+
+
 def test_recovery_is_checked():
     with local_client(1) as client:
         with pytest.raises(PlanError, match="recovery="):

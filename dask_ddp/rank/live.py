@@ -36,6 +36,10 @@ a replica group that took a replacement in heals from another replica's memory (
 Plain FSDP2: ``live_steps(total, build=build)``: each rank's shards are kept in a peer's memory after every
 step and resharded onto the group left after a loss (:mod:`dask_ddp.rank.live_memory`).
 
+A rank hung alive (no process lost: nothing to recover) is the stall watch's: each committed step is progress
+in the rank's telemetry, so ``stall_timeout`` fails such a job with every rank's stack, also when the loop never
+calls ``report()``.
+
 What this part does not do yet (issue 42): an HSDP job going on with a replica group fewer (no spare: it falls
 back to a restart), the loss of rank 0's worker or host (the store's keeper goes with it: a restart), a
 collective blocked on a hung peer outside a step's block (not released).
@@ -47,7 +51,7 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
-from dask_ddp.rank import goodput
+from dask_ddp.rank import goodput, telemetry
 from dask_ddp.rank.live_group import LiveGroup, LiveRecoveryError, StepAborted
 from dask_ddp.rank.live_memory import InMemory
 from dask_ddp.rank.live_state import Replicated, Sharded
@@ -120,6 +124,7 @@ class LiveStep:
             except RuntimeError as err:  # the store or the group failed: a loss decides below
                 exc = err
         if exc is None and self.committed:
+            telemetry.COUNTERS.live_step = self.index  # progress, for the stall watch (a loop may never report)
             took, typical = time.perf_counter() - self.began, self.pace[0]
             self.pace[0] = took if typical is None else 0.8 * typical + 0.2 * took
             if self.grow:  # replacements of ranks the group went on without: taken in before the next step

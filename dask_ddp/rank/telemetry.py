@@ -11,8 +11,11 @@ Where the numbers come from, with no user code:
   gradient bucket's all-reduce, counted by dask-ddp's timing comm hook,
   :mod:`dask_ddp.rank.collectives`); without a DDP model, one ``report()`` call
   (distinct ``step`` values); failing both, one batch drawn from a timed
-  loader. ``step_time`` is the time between the window's last step boundary
-  and the previous window's, divided by the steps in between.
+  loader. The item's ``step``: the latest reported step, else the latest step
+  a live group committed (``live_steps``), else the DDP steps or batches
+  counted (the client's stall watch takes a change of it as progress).
+  ``step_time`` is the time between the window's last step boundary and the
+  previous window's, divided by the steps in between.
 - **Input wait**: the time spent in ``DataLoader`` iterators' ``__next__``
   (patched in the rank process only) and in iterables wrapped with
   :func:`timed`, as a share of the steps' time.
@@ -62,6 +65,7 @@ class Counters:
         self.samples_at_ddp_step = 0  # samples fetched up to the latest step (its batches come before its sync)
         self.input_wait_at_ddp_step = 0.0  # input wait up to the latest step, likewise
         self.ddp_timed = False  # a DDP model carries the timing hook
+        self.live_step: int | None = None  # the latest step a live group committed (dask_ddp.rank.live)
 
 
 COUNTERS = Counters()
@@ -211,7 +215,8 @@ class Sampler:
         c, p = self.c, self._prev
         steps, span, samples, waited = self._steps(c, p, final)
         item = {"kind": "telemetry", "rank": self.rank, "attempt": self.attempt, "time": time.time(),
-                "step": self._step if self._step is not None else (c.ddp_steps or c.batches or None),
+                "step": self._step if self._step is not None else (
+                    c.live_step if c.live_step is not None else (c.ddp_steps or c.batches or None)),
                 "steps": steps, "step_time": span / steps if steps and span > 0 else None,
                 "input_wait": _share(waited, span) if c.batches and steps else None,
                 "collective_wait": _share(c.coll_wait - p.coll_wait, span) if c.ddp_timed and steps else None,
