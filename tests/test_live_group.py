@@ -55,3 +55,24 @@ def test_a_member_whose_replacement_joins_is_not_taken_for_lost(group):
         group.regroup(7)
     invite = f"{KEY}invite/1"
     assert json.loads(group.seal.open(invite, group.store.get(invite)))["gen"] == 1  # invited, not skipped
+
+
+def test_a_forming_generation_is_given_up_for_a_lost_member_only(group):
+    """Rank 0 forms generation 1 with rank 2 (rank 1 lost, no replacement); rank 2 has not checked in yet. News
+    that does not touch the generation (rank 1's loss told again, a replacement starting for rank 1, taken in at
+    a step boundary later) leaves it forming: giving it up then left a rank that had heard everything alone in a
+    generation the others had left (the five-recoveries test's second hang). Rank 2's loss gives it up at once."""
+    import threading
+
+    group.note_lost([1], joined=[0])
+    out: list = []
+    forming = threading.Thread(target=lambda: out.append(group._form(1, [0, 2], {})), daemon=True)
+    forming.start()
+    group.note_lost([1], joined=[0])
+    group.note_lost([], replaced=[(1, 1)])
+    forming.join(1.5)
+    assert forming.is_alive() and not out, "news of another process gave the generation up"
+    started = time.monotonic()
+    group.note_lost([2], joined=[0])
+    forming.join(3)
+    assert out == [False] and time.monotonic() - started < 1, out

@@ -12,11 +12,12 @@ the preemption protocol's.
 
 **Re-forming.** After a loss the members left agree on the next generation (the first proposal in the store
 wins), each checks in to it, and once every member has, they make its process group on a fresh store prefix
-(the same processes, a new group). A loss heard before every member checked in gives that generation up for the
-next (two losses at once; a replacement lost while it joins), and so does a rank that finds among the agreed
-members a process it knows was lost (the first proposal came from a rank that had not heard of that loss yet: the
-generation can never form, and this rank would hear no more news to say so). Losses name the process (its rank
-and ``RankTask.joined``), so an old loss never counts against a replacement.
+(the same processes, a new group). A generation with a member this rank knows was lost is given up for the next:
+a loss heard while it forms (two losses at once; a replacement lost while it joins), or one the agreed proposal
+did not know of (it came from a rank that had not heard of it yet). Only that gives a generation up: when any news
+did, a rank that had heard everything could be left alone in a generation the others had left (a hang, 1 run in
+~20 of the five-recoveries test). Losses name the process (its rank and ``RankTask.joined``), so an old loss never
+counts against a replacement.
 
 **Healing.** A replacement (the lost rank's number, started into the running attempt) is invited through the
 store (signed) to the generation that takes it in; every member then takes the state from the survivors' memory
@@ -75,7 +76,6 @@ class LiveGroup:
         self.lost: set[tuple[int, int]] = set()  # (rank, n): the process of rank ``rank`` started n-th was lost
         self.incarnation = dict.fromkeys(self.members, 0)  # member -> n of its process (0: started with the attempt)
         self.replacing: dict[int, int] = {}  # lost rank -> n of the replacement starting (RankTask.joined)
-        self.epoch = 0  # losses heard so far: a group still forming is given up when one more comes
         self.heard = threading.Condition()
         self.state: Any = None  # what the group holds and heals (dask_ddp.rank.live_state)
         self.resume: int | None = None  # the step to run after a re-forming that rolled the state back
@@ -104,7 +104,6 @@ class LiveGroup:
                 self.lost.add((int(r), int(n)))
                 self.replacing.pop(int(r), None)  # a replacement lost while it joined: it is no longer coming
             self.replacing.update((int(r), int(n)) for r, n in replaced)
-            self.epoch += 1
             self.heard.notify_all()
         # in a step's block and a member of this group lost: maybe blocked on a peer that never answers (hung, cut
         # off): release it soon. Not for news of a process the group already went on without (a replacement
@@ -203,7 +202,7 @@ class LiveGroup:
         self.state.settle()  # plain FSDP2: a peer's snapshot that has arrived is kept before the group goes
         while True:
             with self.heard:
-                lost, epoch = self.lost_members(), self.epoch
+                lost = self.lost_members()
                 joiners = {r: n for r, n in self.replacing.items() if r in lost}
                 joiners.update((r, n) for r, n in grow.items() if (r, n) not in self.lost)
             members, joiners = self._agree(gen, sorted((set(self.members) - lost) | set(joiners)), joiners, error)
@@ -220,7 +219,7 @@ class LiveGroup:
                 self.store.set(invite, self.seal.sign(invite, json.dumps(
                     {"gen": gen, "members": members, "joiners": sorted(joiners), "before": before,
                      "incarnation": {str(m): incarnation.get(m, 0) for m in members}})))
-            if self._form(gen, members, epoch):
+            if self._form(gen, members, joiners):
                 break
             gen += 1
         self.incarnation = {m: incarnation.get(m, 0) for m in members}
@@ -272,17 +271,18 @@ class LiveGroup:
         self.joining = 0
         return self._sync(None, invite["joiners"], invite["before"])
 
-    def _form(self, gen: int, members: list[int], epoch: int | None, fresh: bool = False,
+    def _form(self, gen: int, members: list[int], joiners: dict[int, int] | None, fresh: bool = False,
               invite: str | None = None) -> bool:
         """Check in to generation ``gen``, wait until every member has, then make its process group. False: given
-        up before every member checked in (a loss heard since ``epoch``; for a replacement, a newer invitation
-        at ``invite``). Raises LiveRecoveryError (not every member within ``timeout``)."""
+        up before every member checked in (a survivor, given the generation's ``joiners``: a member it knows was
+        lost, :meth:`_doomed`; a replacement: a newer invitation at ``invite``). Raises LiveRecoveryError (not
+        every member within ``timeout``)."""
         import torch.distributed as dist
 
         key, deadline, nap = f"{KEY}{gen}/in", time.monotonic() + self.timeout, 0.001
         self.store.add(key, 1)
         while int(self.store.add(key, 0)) < len(members):
-            if epoch is not None and self.epoch != epoch:
+            if joiners is not None and self._doomed(members, joiners):
                 return False  # a member that never checks in was lost: everyone gives this generation up
             if invite is not None and json.loads(self.seal.open(invite, self.store.get(invite)) or "{}").get(
                     "gen") != gen:
