@@ -87,7 +87,7 @@ class Controller:
         self._restart_need: tuple[int, Any] = (0, None)
         self._decision: policy.Decision | None = None  # the decision a restart acts on
         self.last_report: dict[int, float] = {}  # rank -> clock() of its latest report: the stall clock
-        self.stepped: dict[int, tuple[Any, float]] = {}  # rank -> (its telemetry's step, clock() it changed): too
+        self.stepped: dict[int, tuple[Any, float]] = {}  # rank -> (its telemetry's step, clock() it last changed)
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
