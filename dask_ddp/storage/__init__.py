@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import re
 from typing import Any, Callable, Mapping
@@ -78,6 +79,19 @@ def open_fs(root: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
         opts["config_kwargs"] = {"max_pool_connections": 64, **(opts.get("config_kwargs") or {})}
     fs, path = resolve(root, opts)
     return fs, path.rstrip("/") or "/"
+
+
+def _freeze_inherited() -> None:
+    """In a forked child (a DataLoader worker, a rank from its zygote): move every object inherited from the parent
+    out of the collector's reach (``gc.freeze``). Garbage the parent had not collected yet holds S3 filesystems,
+    and s3fs closes a collected one through its event loop, whose thread a forked child does not have: fsspec's
+    ``sync`` then waits a whole second before it gives up, once per filesystem (a DataLoader worker's first batch
+    waited 1.2-2.5 s in one epoch in four). Frozen, they are freed with the process; the child's own objects are
+    collected as ever, and its collections no longer walk (and copy) the inherited heap. Raises nothing."""
+    gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_inherited)
 
 
 _SESSIONS: dict[tuple, Any] = {}  # (pid, profile) -> this process's aiobotocore session
