@@ -15,6 +15,10 @@ transient and how it is retried (:mod:`.transient`) and a folder of one user's c
 user can read, plant or swap (:mod:`.private`). Used by checkpoints, streaming, ``S3ImageFolder``, the metric
 sinks and export.
 
+A process that imported this module freezes, in every child it forks, what the child inherits (``gc.freeze``):
+the parent's uncollected S3 filesystems are then never closed there, which cost a DataLoader worker a second
+each (:func:`_freeze_inherited`).
+
 May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 """
 
