@@ -17,7 +17,7 @@ sinks and export.
 
 A process that imported this module freezes, in every child it forks, what the child inherits (``gc.freeze``):
 the parent's uncollected S3 filesystems are then never closed there, which cost a DataLoader worker a second
-each (:func:`_freeze_inherited`).
+each (``_freeze_inherited``).
 
 May import: :mod:`dask_ddp.wire` (and :mod:`dask_ddp.config`).
 """
