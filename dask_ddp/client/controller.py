@@ -38,6 +38,7 @@ from dask_ddp.client.liveness import SilenceWatch
 from dask_ddp.client.notices import NoticeDesk, growth_bounds
 from dask_ddp.client.policy import Action
 from dask_ddp.client.record import JobRecord, format_log
+from dask_ddp.client.stall import StallClock
 from dask_ddp.client.stragglers import StragglerWatch
 from dask_ddp.dashboard import jobs as dashboard_jobs
 from dask_ddp.observe.progress import Progress
@@ -86,8 +87,7 @@ class Controller:
         self._backfilled = False
         self._restart_need: tuple[int, Any] = (0, None)
         self._decision: policy.Decision | None = None  # the decision a restart acts on
-        self.last_report: dict[int, float] = {}  # rank -> clock() of its latest report: the stall clock
-        self.stepped: dict[int, tuple[Any, float]] = {}  # rank -> (its telemetry's step, clock() it last changed)
+        self.progress = StallClock()  # when each rank last reported or made a step
         self.stragglers = StragglerWatch(spec.straggler_window) if spec.straggler_window is not None else None
         self.preemptions = 0  # restarts after a preemption or growth: they do not count against max_restarts
         self.departed: set[str] = set()  # workers that left gracefully: never planned on again
@@ -127,7 +127,7 @@ class Controller:
         if self.phase == Phase.RUNNING:
             self._check_ranks()
         if self.phase == Phase.RUNNING and self.notices.active:
-            overdue = self.notices.check(self.attempt, self.clock(), bool(self.last_report), self._usable_workers)
+            overdue = self.notices.check(self.attempt, self.clock(), self.progress.reported, self._usable_workers)
             if overdue and not self.cancel_requested:
                 self.cancel()  # the ranks did not reach a report in time after stop(): stop them all together (killed)
         if self.phase == Phase.DRAINING:
@@ -159,7 +159,7 @@ class Controller:
             for item in items:
                 kind = item.get("kind")
                 if kind == "metric":
-                    self.last_report[item["rank"]] = now
+                    self.progress.report(item["rank"], now)
                 if kind == "log" and self.spec.echo_logs:
                     Progress.write(format_log(item), item.get("stream") == "stderr")
                 if kind in ("metric", "log"):
@@ -173,9 +173,7 @@ class Controller:
         att = self.attempt
         if att is None or item.get("attempt") != att.index:
             return
-        rank, step = item["rank"], item.get("step")
-        if step is not None and self.stepped.get(rank, (None,))[0] != step:  # a step (DDP, live, a batch) was made
-            self.stepped[rank] = (step, now)
+        self.progress.telemetry(item["rank"], item.get("step"), now)
         if self.stragglers is None:
             return
         found = self.stragglers.update(item, now)
@@ -195,8 +193,7 @@ class Controller:
     def _launch(self, index: int, plan: planning.RankPlan) -> None:
         tasks = rank_tasks(self.spec, self.run_id, index, plan)
         self.attempt = Attempt(index, plan, tasks, self.cluster.submit(tasks), self.clock())
-        self.last_report.clear()  # the stall clock of each rank restarts at its first report (or step)
-        self.stepped.clear()
+        self.progress.reset()  # the stall clock of each rank restarts at its first report (or step)
         if self.stragglers is not None:
             self.stragglers.reset()
         with self.record.cond:
@@ -245,18 +242,10 @@ class Controller:
 
     def _check_stall(self, att: Attempt) -> None:
         limit = self.spec.stall_timeout
-        if not limit or att.stalled or att.ended():
-            return
-        now = self.clock()
-        seen = {**self.last_report, **{rk: max(t, self.last_report.get(rk, t)) for rk, (_, t) in self.stepped.items()}}
-        ages = {rk: now - t for rk, t in seen.items() if rk not in att.outcomes}
-        if not any(age > limit for age in ages.values()):
-            return
-        stacks = self.cluster.stacks(att.tasks[0].attempt_id, att.plan.addresses)
-        live = [r.rank for r in att.plan.ranks if r.rank not in att.outcomes]
-        blame = policy.blame_stall(ages, live, stacks)
-        att.stalled = policy.stall_error(self.run_id, blame, limit, stacks, att.plan.ranks[blame.rank].address)
-        self._abort(f"rank {blame.rank} stalled")
+        if limit and not att.stalled and not att.ended():
+            att.stalled = self.progress.stalled(self.clock(), limit, att, self.cluster.stacks, self.run_id)
+            if att.stalled is not None:
+                self._abort(f"rank {att.stalled.rank} stalled")
 
     def _check_queued(self, att: Attempt) -> None:
         """Once an attempt, QUEUED_AFTER s in: say which rank tasks still wait for a free thread on their workers
