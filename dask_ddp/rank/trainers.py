@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 __all__ = ["SLURM_TASK_VARIABLES", "environment", "fsdp_dropped", "lightning_topology", "prepare", "undistributed",
            "watch"]
@@ -96,14 +96,8 @@ def prepare(ctx) -> None:
 def undistributed(world_size: int) -> str | None:
     """What to change, if the Accelerate state of this process (Accelerate's, or the one Transformers' ``Trainer``
     made) runs in a world other than the job's ``world_size``; None where it does not, or none exists yet."""
-    state = sys.modules.get("accelerate.state")
-    try:
-        if state is None or not state.is_initialized():
-            return None
-        seen = state.PartialState().num_processes  # made already: this only reads its shared state
-    except Exception:  # noqa: BLE001 - another Accelerate than this was written for: no warning, never a failure
-        return None
-    if seen == world_size:
+    seen = _read_state(lambda state: state.PartialState().num_processes)  # made already: only its shared state
+    if seen is None or seen == world_size:
         return None
     return (f"dask-ddp: Accelerate (or Transformers' Trainer) runs with {seen} process(es), but the job has "
             f"{world_size} ranks: each rank trains alone, on the same samples. On CPU workers, leave "
@@ -117,20 +111,25 @@ def fsdp_dropped() -> str | None:
     ``TrainingArguments(fsdp=...)`` too) but made its state without it: Accelerate takes FSDP on GPUs (and other
     accelerators) only; on CPUs it wraps the model in DDP, every rank holding all of it, and says nothing. None
     where it was not asked, or took it, or no state exists yet."""
-    state = sys.modules.get("accelerate.state")
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
         return None
-    try:
-        if state is None or not state.is_initialized():
-            return None
-        kind = state.AcceleratorState._shared_state.get("distributed_type")  # made already: only read
-    except Exception:  # noqa: BLE001 - another Accelerate than this was written for: no warning, never a failure
-        return None
-    if getattr(kind, "value", kind) == "FSDP":
+    kind = _read_state(lambda state: state.AcceleratorState._shared_state.get("distributed_type"))
+    if kind is None or getattr(kind, "value", kind) == "FSDP":
         return None
     return (f"dask-ddp: Accelerate (or Transformers' Trainer) was asked for FSDP but trains with {kind}: Accelerate "
             "uses FSDP on GPUs only, and on CPU workers it keeps the whole model on every rank, without a word. "
             "Run the job on GPU workers for FSDP, or leave FSDP out of the config on CPUs.")
+
+
+def _read_state(read: Callable[[Any], Any]) -> Any:
+    """``read(accelerate.state)`` once this process's Accelerate state exists (Accelerate's, or the one
+    Transformers' ``Trainer`` made); None before it does. Never imports Accelerate, never fails: an Accelerate
+    other than the one this was written for reads None (no warning)."""
+    state = sys.modules.get("accelerate.state")
+    try:
+        return read(state) if state is not None and state.is_initialized() else None
+    except Exception:  # noqa: BLE001 - another Accelerate than this was written for: no warning, never a failure
+        return None
 
 
 def watch(world_size: int, every: float = WATCH_EVERY) -> threading.Thread:
