@@ -44,17 +44,14 @@ class SampleDecodeError(ShardDataError):
 
 def _prefetch_budget(prefetch: Any) -> int | None:
     """``prefetch`` as bytes (a size), or None for a number of shards; ValueError for neither."""
-    if isinstance(prefetch, int) and not isinstance(prefetch, bool):
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be a number of shards >= 0 or a size such as '256MB', got {prefetch}")
+    if isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 0:
         return None
-    try:
-        if not isinstance(prefetch, str):
-            raise ValueError
-        return parse_size(prefetch)
-    except ValueError:
-        raise ValueError(f"prefetch must be a number of shards >= 0 or a size such as '256MB', got {prefetch!r}") \
-            from None
+    if isinstance(prefetch, str):
+        try:
+            return parse_size(prefetch)
+        except ValueError:
+            pass
+    raise ValueError(f"prefetch must be a number of shards >= 0 or a size such as '256MB', got {prefetch!r}")
 
 
 def _decode(data: bytes, ext: str) -> Any:
